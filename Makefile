@@ -1,0 +1,15 @@
+# The three commands of README.md. Each later one sets up first if needed.
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup optimize test
+setup: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml infra/setup.sh
+	bash infra/setup.sh $(VENV)
+	touch $@
+
+optimize: setup
+	$(BIN)/infersmith optimize --op rmsnorm --model tiny --budget 8
+
+test: setup
+	$(BIN)/python -m pytest -q -ra

@@ -1,0 +1,15 @@
+"""The op registry: every op the platform can optimize, by name."""
+from __future__ import annotations
+
+from engine_templates.ops.base import Op
+from engine_templates.ops.rmsnorm import OP as _rmsnorm
+from engine_templates.ops.silu_mul import OP as _silu_mul
+
+OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul)}
+
+
+def get_op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known: {', '.join(sorted(OPS))}") from None

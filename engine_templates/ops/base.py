@@ -1,0 +1,115 @@
+"""The interface every op implements: reference, inputs, roofline counts, templates.
+
+An op lives in `engine_templates/ops/<name>/`: `__init__.py` defines its `Op` subclass
+(signature, shapes from a model and a workload, input generator, float64 reference, the
+PyTorch baseline a user would write, bytes and FLOPs), and `templates.py` its Triton
+templates with their search spaces.
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine_templates.models import ModelDims
+from harness.job import Shape
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Input distributions cycled across seeds: a kernel right only for N(0,1) does not pass.
+DISTRIBUTIONS = ("normal", "uniform", "heavy", "offset")
+
+
+def random_tensor(shape, dtype, device, gen: torch.Generator, dist: str, scale: float = 1.0):
+    """Fresh random data in one of DISTRIBUTIONS, drawn in float32 on the CPU then moved."""
+    if dist == "normal":
+        t = torch.randn(shape, generator=gen)
+    elif dist == "uniform":
+        t = torch.rand(shape, generator=gen) * 4 - 2
+    elif dist == "heavy":  # log-normal magnitudes with random signs: outliers in every row
+        t = torch.randn(shape, generator=gen).exp() * torch.sign(torch.randn(shape, generator=gen))
+    elif dist == "offset":
+        t = torch.randn(shape, generator=gen) * 0.5 + 3.0
+    else:
+        raise ValueError(f"unknown distribution {dist!r}")
+    return (t * scale).to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Template:
+    """A Triton kernel family: `build(point)` returns a function with the op's signature."""
+
+    name: str
+    module: str  # dotted module path holding `build` and the kernel
+    space: dict[str, list[Any]]
+    default: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, point: dict[str, Any]) -> Callable[..., Any]:
+        unknown = set(point) - set(self.space)
+        missing = set(self.space) - set(point)
+        if unknown or missing:
+            raise ValueError(f"point {point} does not match the space of {self.name} "
+                             f"(unknown {sorted(unknown)}, missing {sorted(missing)})")
+        for k, v in point.items():
+            if v not in self.space[k]:
+                raise ValueError(f"{self.name}: {k}={v!r} is not one of {self.space[k]}")
+        return importlib.import_module(self.module).build(**point)
+
+    @property
+    def source_path(self) -> Path:
+        return Path(importlib.import_module(self.module).__file__)
+
+    def size(self) -> int:
+        n = 1
+        for v in self.space.values():
+            n *= len(v)
+        return n
+
+
+class Op(ABC):
+    """One op. Subclasses are stateless; the registry holds one instance of each."""
+
+    name: str
+    signature: str  # e.g. "rmsnorm(x, weight, eps)"
+    summary: str
+    n_outputs: int = 1
+    templates: dict[str, Template] = {}
+
+    @abstractmethod
+    def shapes(self, model: ModelDims, decode_batches: list[int], prefill_tokens: list[int],
+               contexts: list[int]) -> list[Shape]:
+        """The target's shapes: what is timed and what counts."""
+
+    @abstractmethod
+    def odd_shapes(self, model: ModelDims) -> list[Shape]:
+        """Awkward sizes (not multiples of anything) that are checked but not timed."""
+
+    @abstractmethod
+    def inputs(self, shape: Shape, dtype: torch.dtype, device: str, gen: torch.Generator,
+               dist: str) -> tuple:
+        """Fresh positional arguments for one call."""
+
+    @abstractmethod
+    def reference(self, *args) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The oracle: computed in float64 from the same arguments, cast to the inputs' dtype never."""
+
+    @abstractmethod
+    def eager(self, *args) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The PyTorch baseline a user would write, in the op's own dtype."""
+
+    @abstractmethod
+    def bytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        """The fewest bytes one call must move: each input read once, each output written once."""
+
+    @abstractmethod
+    def flops(self, shape: Shape) -> int:
+        """Floating-point operations of one call."""
+
+    @property
+    def arg_names(self) -> list[str]:
+        inside = self.signature[self.signature.index("(") + 1: self.signature.rindex(")")]
+        return [a.strip() for a in inside.split(",") if a.strip()]

@@ -1,0 +1,91 @@
+"""Run one stage of one candidate in a subprocess on this machine, under a time limit."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpu_pool.pool import Slot
+from harness.job import Job
+from harness.verdict import Verdict
+
+# The folder holding harness/ and engine_templates/: what a worker needs on its PYTHONPATH.
+WORKER_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class StageRun:
+    verdict: Verdict
+    slot: Slot
+    held_s: float  # seconds the slot (its GPU) was held by this stage
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+class LocalExecutor:
+    """Each stage is a fresh `python -m harness` process in its own session and scratch dir."""
+
+    def __init__(self, python: str = sys.executable, scratch_root: Path | None = None):
+        self.python = python
+        self.scratch_root = scratch_root
+
+    def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
+        scratch = Path(tempfile.mkdtemp(prefix=f"infersmith-{job.candidate.id}-{job.stage}-",
+                                        dir=self.scratch_root))
+        (scratch / "job.json").write_text(job.to_json())
+        env = dict(os.environ, PYTHONPATH=str(WORKER_ROOT), PYTHONUNBUFFERED="1")
+        if slot.gpu is None:
+            env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu)
+        out = scratch / "verdict.json"
+        t0 = time.monotonic()
+        with open(scratch / "stdout.log", "wb") as so, open(scratch / "stderr.log", "wb") as se:
+            proc = subprocess.Popen([self.python, "-m", "harness", "job.json", "--out", str(out)],
+                                    cwd=scratch, env=env, stdout=so, stderr=se, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:  # a timeout, a cancelled flow, Ctrl-C: never leave the group running
+                _kill_group(proc)
+        held = time.monotonic() - t0
+        verdict = self._read_verdict(job, out, rc, timeout_s, scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+        return StageRun(verdict, slot, held)
+
+    @staticmethod
+    def _read_verdict(job: Job, out: Path, rc: int | None, timeout_s: float, scratch: Path) -> Verdict:
+        log = _tail(scratch / "stderr.log")
+        if rc is not None and out.exists():
+            v = Verdict.from_json(out.read_text())
+            v.log_tail = v.log_tail or log
+            return v
+        v = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage], log_tail=log)
+        if rc is None:
+            v.crash("time_limit", f"{job.stage} stage ran past its {timeout_s:g} s limit and was killed")
+        else:
+            how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+            v.crash("process", f"the {job.stage} process died ({how}) without a verdict; "
+                               f"last log line: {log.strip().splitlines()[-1] if log.strip() else '(none)'}")
+        return v
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the whole session, also what the candidate left behind after the harness exited."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

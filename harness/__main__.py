@@ -1,0 +1,39 @@
+"""`python -m harness JOB.json --out VERDICT.json`: run one stage of one candidate.
+
+The controller runs this in its own process under a time limit; if the process dies or
+is killed, the controller records a `crash`. Anything that goes wrong inside is recorded
+in the verdict, never swallowed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+from harness.job import Job
+from harness.verdict import Verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness", description=__doc__)
+    parser.add_argument("job", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    job = Job.from_json(args.job.read_text())
+    workdir = args.job.parent
+    try:
+        from harness.stages import run
+
+        verdict = run(job, workdir)
+    except Exception:
+        verdict = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage])
+        verdict.crash("harness", traceback.format_exc(limit=-8))
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(verdict.to_json())
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

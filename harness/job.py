@@ -1,0 +1,114 @@
+"""What the controller sends to a worker: one candidate, one op, the shapes and the rules.
+
+Plain dataclasses that travel as JSON. The controller builds them from validated
+models; the worker side reads them with the standard library only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STAGES = ("compile", "check", "bench")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One thing to evaluate: a template point, or a free module's source."""
+
+    op: str
+    kind: str  # "template" or "free"
+    template: str | None = None
+    point: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+    origin: str = ""  # who proposed it: "random", "tpe", "cli", ...
+
+    def __post_init__(self) -> None:
+        if self.kind == "template":
+            assert self.template, "a template candidate names its template"
+        elif self.kind == "free":
+            assert self.source is not None, "a free candidate carries its source"
+        else:
+            raise ValueError(f"unknown candidate kind {self.kind!r}")
+
+    @property
+    def id(self) -> str:
+        """Content hash: the same code and point always get the same id."""
+        body = json.dumps(
+            {"op": self.op, "kind": self.kind, "template": self.template,
+             "point": self.point, "source": self.source},
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    @property
+    def label(self) -> str:
+        if self.kind == "free":
+            return f"free:{self.id[:8]}"
+        point = ",".join(f"{k}={v}" for k, v in sorted(self.point.items()))
+        return f"{self.template}[{point}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem size of an op, e.g. label "decode_b32", dims {"tokens": 32, "hidden": 4096}."""
+
+    label: str
+    dims: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Tolerances and timing settings, all from the target."""
+
+    dtype: str = "bf16"
+    rtol: float = 1e-2  # allowed ||out - ref|| / ||ref||
+    seeds: int = 3  # fresh random inputs per shape in the check stage
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    sol_margin: float = 1.10  # speed-of-light: achieved rate above margin x ceiling is rejected
+    launch_bound_us: float = 40.0  # shapes faster than this (eager) are timed through CUDA graphs
+    compile_baseline: bool = True
+
+
+@dataclass(frozen=True)
+class Job:
+    """One stage of one candidate's evaluation."""
+
+    stage: str
+    candidate: Candidate
+    model: str
+    shapes: list[Shape]  # the target's shapes: checked and timed
+    odd_shapes: list[Shape]  # checked only
+    rules: Rules = field(default_factory=Rules)
+    device: str = "auto"  # "auto", "cuda" or "cpu"
+
+    def __post_init__(self) -> None:
+        assert self.stage in STAGES, f"stage must be one of {STAGES}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Job:
+        d = json.loads(text)
+        return cls(
+            stage=d["stage"],
+            candidate=Candidate.from_dict(d["candidate"]),
+            model=d["model"],
+            shapes=[Shape(**s) for s in d["shapes"]],
+            odd_shapes=[Shape(**s) for s in d["odd_shapes"]],
+            rules=Rules(**d["rules"]),
+            device=d["device"],
+        )

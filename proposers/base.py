@@ -1,0 +1,54 @@
+"""The proposer interface: where candidates come from.
+
+Call order, for every proposer:
+  1. `Proposer(op, template, seed)` once per optimization (cheap; no I/O).
+  2. `propose(history, n)` each time the flow has free GPUs. `history` is every trial of
+     this op, target and template that tracking knows of, from any process: finished ones
+     with their state and score, and pending ones (proposed, not yet judged).
+  3. Nothing else. A proposer keeps no state between calls: everything it knows comes from
+     `history`, so parallel flows and a flow resumed after a crash propose consistently.
+
+`propose` returns at most `n` candidates, none already in `history` and no two alike;
+fewer (possibly none) when the space has nothing new left.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+from engine_templates.ops.base import Template
+from harness.job import Candidate
+
+PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class Trial:
+    candidate: Candidate
+    state: str  # "pending", "pass", "fail" or "crash"
+    score: float | None = None  # higher is better; set only for passed, timed trials
+
+
+def point_key(point: dict[str, Any]) -> str:
+    return json.dumps(point, sort_keys=True)
+
+
+class Proposer(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, op: str, template: Template, seed: int = 0):
+        self.op, self.template, self.seed = op, template, seed
+
+    @abstractmethod
+    def propose(self, history: Sequence[Trial], n: int) -> list[Candidate]:
+        """Up to n new candidates given everything tried so far."""
+
+    def candidate(self, point: dict[str, Any]) -> Candidate:
+        return Candidate(op=self.op, kind="template", template=self.template.name,
+                         point=dict(point), origin=self.name)
+
+    def seen(self, history: Sequence[Trial]) -> set[str]:
+        return {point_key(t.candidate.point) for t in history
+                if t.candidate.kind == "template" and t.candidate.template == self.template.name}
