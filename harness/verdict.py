@@ -119,11 +119,11 @@ class Verdict:
         return math.exp(sum(logs) / len(logs))
 
     def metrics(self) -> dict[str, float]:
-        """Flat metrics for tracking: per shape `<label>.<name>`, plus summaries."""
+        """Flat metrics for tracking: per shape `<label>/<name>`, plus summaries."""
         out: dict[str, float] = {}
         for t in self.timings:
             for k, v in t.metrics().items():
-                out[f"{t.label}.{k}"] = v
+                out[f"{t.label}/{k}"] = v
         if self.max_rel_error is not None:
             out["max_rel_error"] = self.max_rel_error
         score = self.score()

@@ -1,0 +1,209 @@
+"""The `infersmith` command. Exit codes: 0 success (a candidate passed), 1 a candidate
+failed or crashed or a run failed, 2 a usage error (bad option, unknown op or preset,
+unreadable or malformed candidate file)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_target_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    g.add_argument("--gpu-class", default="any", help="run only on this GPU class (any, cpu, h100, h200, b200)")
+    g.add_argument("--decode-batches", type=_ints, help="e.g. 1,8,32,128 (default from the preset)")
+    g.add_argument("--prefill-tokens", type=_ints, help="e.g. 2048,16384")
+    g.add_argument("--contexts", type=_ints, help="attention context lengths, e.g. 4096,32768")
+    g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
+    g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
+    g.add_argument("--stage-timeout", type=float, default=600.0, help="seconds one stage may run")
+
+
+def _target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
+    from pydantic import ValidationError
+
+    from flows.target import Target
+
+    data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class, "rtol": args.rtol,
+            "seeds": args.seeds, "budget": {"candidates": candidates, "wall_clock_s": wall_clock,
+                                            "plateau": plateau, "stage_timeout_s": args.stage_timeout}}
+    workload = {k: v for k, v in (("decode_batches", args.decode_batches),
+                                  ("prefill_tokens", args.prefill_tokens),
+                                  ("contexts", args.contexts)) if v is not None}
+    if workload:
+        from flows.target import TINY_WORKLOAD, Workload
+
+        base = TINY_WORKLOAD if args.model == "tiny" else Workload()
+        data["workload"] = base.model_dump() | workload
+    try:
+        return Target.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UsageError(f"bad target: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def _op(name: str):
+    from engine_templates.ops import OPS
+
+    if name not in OPS:
+        raise UsageError(f"unknown op {name!r}; known: {', '.join(sorted(OPS))}")
+    return OPS[name]
+
+
+def cmd_ops(args) -> int:
+    from engine_templates.models import PRESETS
+    from engine_templates.ops import OPS
+
+    for op in OPS.values():
+        print(f"{op.signature}\n    {op.summary}")
+        for t in op.templates.values():
+            print(f"    template {t.name}: {t.size()} points over {', '.join(t.space)}")
+    print("model presets: " + ", ".join(PRESETS))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from harness.load import screen_signature
+
+    op = _op(args.op)
+    target = _target(args)
+    path = Path(args.candidate)
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read candidate {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    problem = screen_signature(source, op.name, op.arg_names)
+    if problem:
+        raise UsageError(f"{path}: {problem}")
+    from flows.evaluate_op import evaluate_candidate
+
+    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name)
+    verdict = result["verdict"]
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(_verdict_text(verdict, result))
+    return 0 if verdict["status"] == "pass" else 1
+
+
+def _verdict_text(v: dict, result: dict) -> str:
+    lines = [f"status: {v['status']}"]
+    lines += [f"  {'ok  ' if g['passed'] else 'FAIL'} {g['name']}: {g['detail']}" for g in v["gates"]]
+    for t in v["timings"]:
+        best = min(t["candidate_us"], t["candidate_us_repeat"])
+        comp = f"  compile {t['compile_us']:.1f} us" if t["compile_us"] else ""
+        lines.append(f"  {t['label']}: {best:.1f} us  eager {t['eager_us']:.1f} us{comp}"
+                     f"  roofline {100 * t['roofline_us'] / best:.1f}%")
+    if v["timings"] and not v["device"].get("gpu_timing"):
+        lines.append("  (no GPU: timings are the Triton interpreter's and say nothing about a GPU)")
+    lines.append(f"mlflow run: {result['run_id']}  gpu_seconds: {result['gpu_seconds']:.1f}")
+    return "\n".join(lines)
+
+
+def cmd_optimize(args) -> int:
+    op = _op(args.op)
+    target = _target(args, candidates=args.budget, wall_clock=args.wall_clock, plateau=args.plateau)
+    if args.template and args.template not in op.templates:
+        raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
+    from flows.optimize_op import optimize_op
+
+    optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed)
+    return 0
+
+
+def cmd_leaderboard(args) -> int:
+    from tracking.history import leaderboard
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    op = _op(args.op)
+    from engine_templates.models import PRESETS
+
+    if args.model and args.model not in PRESETS:
+        raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+    rows = leaderboard(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
+    if not rows:
+        print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else ""))
+        return 0
+    print(f"{'#':>3}  {'score':>7}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  {'device':<14}  candidate")
+    for e in rows:
+        fmt = lambda x, suffix="x": f"{x:.2f}{suffix}" if x else "-"
+        note = "" if e.gpu_timing else " (interpreter timing)"
+        print(f"{e.rank:>3}  {fmt(e.score):>7}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
+              f"{fmt(e.pct_roofline, '%'):>6}  {e.device[:14]:<14}  {e.label}  [{e.target}]{note}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="infersmith", description="LLM-inference optimization that cannot be gamed.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("ops", help="list the ops, their signatures and templates").set_defaults(fn=cmd_ops)
+
+    e = sub.add_parser("evaluate", help="run one candidate file through compile, check and microbench")
+    e.add_argument("--op", required=True)
+    e.add_argument("--candidate", required=True, help="Python file defining a function named after the op")
+    e.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    _add_target_options(e)
+    e.set_defaults(fn=cmd_evaluate)
+
+    o = sub.add_parser("optimize", help="search an op's template space for the target")
+    o.add_argument("--op", required=True)
+    o.add_argument("--budget", type=int, default=16, help="candidates to evaluate (default 16)")
+    o.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
+    o.add_argument("--template", help="template to search (default: the op's first)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
+    _add_target_options(o)
+    o.set_defaults(fn=cmd_optimize)
+
+    lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first")
+    lb.add_argument("--op", required=True)
+    lb.add_argument("--model", help="only this model preset")
+    lb.add_argument("--limit", type=int, default=20)
+    lb.set_defaults(fn=cmd_leaderboard)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Prefect's telemetry writes to its database while the ephemeral server starts: off.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "budget", 1) < 1:
+            raise UsageError("--budget must be at least 1")
+        return args.fn(args)
+    except UsageError as e:
+        print(f"infersmith: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("infersmith: interrupted; finished candidates are in MLflow", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""evaluate_candidate: one free candidate through the same stages, logged like any other."""
+from __future__ import annotations
+
+import json
+
+from prefect import flow
+
+from flows.optimize_op import scope_for
+from flows.pipeline import evaluate, one_line
+from flows.target import Target
+from gpu_pool.pool import local_pool
+from harness.job import Candidate
+from tracking.schema import Tracker
+from tracking.store import TrackingConfig
+
+
+@flow(name="evaluate-candidate", log_prints=True)
+def evaluate_candidate(op: str, source: str, target: Target = Target(), name: str = "candidate.py") -> dict:
+    """Compile, check and time one candidate module; returns its verdict."""
+    candidate = Candidate(op=op, kind="free", source=source, origin="cli")
+    pool = local_pool()
+    scope = scope_for(op, target, pool)
+    slot = pool.slots(target.gpu_class)[0]
+    tracker = Tracker(TrackingConfig.from_env())
+    parent = tracker.start_parent("evaluation", scope, f"evaluate {name}",
+                                  params={"target": target.model_dump(mode="json"), "file": name})
+    try:
+        outcome = evaluate(candidate, target, slot, tracker, parent, scope)
+    except BaseException as e:
+        tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
+        raise
+    print(f"{name}: {one_line(outcome)}")
+    tracker.finish_parent(parent, {"candidates": 1, "passed": float(outcome.verdict.status == "pass"),
+                                   "gpu_seconds": outcome.charge.gpu_seconds, "cost_usd": outcome.charge.usd},
+                          {})
+    verdict = json.loads(outcome.verdict.to_json())
+    return {"verdict": verdict, "run_id": outcome.run_id, "parent_run_id": parent, **outcome.charge.metrics()}

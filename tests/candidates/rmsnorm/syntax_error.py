@@ -1,0 +1,3 @@
+# expect: usage error — not Python.
+def rmsnorm(x, weight, eps)
+    return x

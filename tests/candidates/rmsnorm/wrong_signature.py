@@ -1,0 +1,3 @@
+# expect: usage error — takes two arguments where the op passes three.
+def rmsnorm(x, weight):
+    return x

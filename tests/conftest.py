@@ -1,0 +1,39 @@
+"""Shared fixtures. Real components only: real harness processes, MLflow on SQLite,
+Prefect's own test server."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before any Triton kernel is defined: on a CPU, kernels run in Triton's interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+CANDIDATES = Path(__file__).parent / "candidates"
+
+
+@pytest.fixture(scope="session")
+def tracking_home(tmp_path_factory):
+    """MLflow on a fresh SQLite file for the whole session."""
+    home = tmp_path_factory.mktemp("infersmith-home")
+    old = {k: os.environ.get(k) for k in ("INFERSMITH_HOME", "MLFLOW_TRACKING_URI")}
+    os.environ["INFERSMITH_HOME"] = str(home)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,76 @@
+"""Read back what tracking holds: the trials a proposer learns from, and the leaderboard."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from mlflow.entities import Run, ViewType
+
+from harness.job import Candidate
+from proposers.base import Trial
+from tracking.schema import T, RunScope, Tracker
+
+
+def _quote(v: str) -> str:
+    return "'" + v.replace("'", "\\'") + "'"
+
+
+def _filter(**tags: str) -> str:
+    return " AND ".join(f"tags.`{T}{k}` = {_quote(v)}" for k, v in tags.items())
+
+
+def search(tracker: Tracker, op: str, order_by: list[str] | None = None, **tags: str) -> list[Run]:
+    runs, token = [], None
+    while True:
+        page = tracker.client.search_runs([tracker.experiment(op)], _filter(kind="candidate", op=op, **tags),
+                                          run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
+                                          order_by=order_by, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def trials(tracker: Tracker, scope: RunScope, template: str) -> list[Trial]:
+    """Every trial of this op, target, GPU class and template, from any flow, finished or pending."""
+    out = []
+    for run in search(tracker, scope.op, target=scope.target_key, template=template,
+                      gpu_class=scope.gpu_class):
+        cand = Candidate.from_dict(json.loads(run.data.tags[f"{T}candidate"]))
+        out.append(Trial(cand, run.data.tags.get(f"{T}status", "pending"), run.data.metrics.get("score")))
+    return out
+
+
+@dataclass(frozen=True)
+class Entry:
+    rank: int
+    label: str
+    candidate_id: str
+    score: float
+    vs_eager: float | None
+    vs_compile: float | None
+    pct_roofline: float | None
+    device: str
+    gpu_timing: bool
+    target: str
+    run_id: str
+
+
+def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int = 20) -> list[Entry]:
+    """Passed candidates, best score first, each candidate once (its best run)."""
+    tags = {"status": "pass"} | ({"model": model} if model else {})
+    runs = search(tracker, op, order_by=["metrics.score DESC"], **tags)
+    seen, out = set(), []
+    for run in runs:
+        t, m = run.data.tags, run.data.metrics
+        key = (t.get(f"{T}candidate_id"), t.get(f"{T}target"), t.get(f"{T}device"))
+        if key in seen or "score" not in m:
+            continue
+        seen.add(key)
+        out.append(Entry(len(out) + 1, run.info.run_name or key[0], key[0] or "", m["score"],
+                         m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
+                         m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
+                         t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
+        if len(out) >= limit:
+            break
+    return out

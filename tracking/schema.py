@@ -1,0 +1,117 @@
+"""The one tracking schema: every optimization a parent run, every candidate a child run.
+
+Parent run (tag infersmith.kind = optimization | evaluation): the target and proposer as
+params; totals (candidates, passed, best score, GPU-seconds, dollars, tokens) as metrics.
+Child run (infersmith.kind = candidate): the candidate's point or source hash as params;
+the verdict's metrics (per shape `<shape>/<metric>`, plus score, geomean speed-ups,
+relative error) and the ledger (GPU-seconds, cost) as metrics; status, op, target, model,
+proposer, GPU, failing gate as tags; the candidate's source and its verdict as artifacts.
+A child is created `pending` when proposed, so parallel proposers see it in flight.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from harness.job import Candidate
+from harness.verdict import CRASH, Verdict
+from tracking.ledger import Charge
+from tracking.store import TrackingConfig, client, experiment_id
+
+PENDING = "pending"
+T = "infersmith."  # tag prefix
+MAX_PARAM = 500
+
+
+def _flatten(prefix: str, obj, out: dict[str, str]) -> dict[str, str]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}" if prefix else k, v, out)
+    else:
+        out[prefix] = json.dumps(obj) if isinstance(obj, list) else str(obj)
+    return out
+
+
+def _batch(c: MlflowClient, run_id: str, metrics=None, params=None, tags=None) -> None:
+    now = int(time.time() * 1000)
+    c.log_batch(run_id,
+                metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+                params=[Param(k, str(v)[:MAX_PARAM]) for k, v in (params or {}).items()],
+                tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What a set of runs is about: comparable runs share all of it."""
+
+    op: str
+    model: str
+    target_key: str
+    gpu_class: str
+
+
+class Tracker:
+    def __init__(self, cfg: TrackingConfig):
+        self.cfg = cfg
+        self.client = client(cfg)
+
+    def experiment(self, op: str) -> str:
+        return experiment_id(self.client, self.cfg, op)
+
+    # -- parent ------------------------------------------------------------------
+    def start_parent(self, kind: str, scope: RunScope, name: str, params: dict, tags: dict | None = None) -> str:
+        run = self.client.create_run(self.experiment(scope.op), run_name=name, tags={
+            f"{T}kind": kind, f"{T}op": scope.op, f"{T}model": scope.model,
+            f"{T}target": scope.target_key, f"{T}gpu_class": scope.gpu_class, **(tags or {})})
+        _batch(self.client, run.info.run_id, params=_flatten("", params, {}))
+        return run.info.run_id
+
+    def finish_parent(self, run_id: str, metrics: dict[str, float], artifacts: dict[str, object]) -> None:
+        _batch(self.client, run_id, metrics=metrics)
+        for path, obj in artifacts.items():
+            self.client.log_dict(run_id, obj, path)
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def fail_parent(self, run_id: str, reason: str) -> None:
+        self.client.set_tag(run_id, f"{T}error", reason[:4000])
+        self.client.set_terminated(run_id, "FAILED")
+
+    # -- children ----------------------------------------------------------------
+    def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate) -> str:
+        source_sha = hashlib.sha256((cand.source or "").encode()).hexdigest()[:16] if cand.source else ""
+        bare = {k: v for k, v in cand.to_dict().items() if k != "source"}
+        tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
+                f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
+                f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(bare, sort_keys=True),
+                f"{T}proposer": cand.origin, f"{T}template": cand.template or "free",
+                f"{T}gpu_class": scope.gpu_class}
+        run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
+        params = {"candidate.kind": cand.kind, "candidate.id": cand.id}
+        if cand.kind == "template":
+            params["candidate.template"] = cand.template
+            params.update({f"point.{k}": v for k, v in cand.point.items()})
+        else:
+            params["candidate.source_sha256"] = source_sha
+        _batch(self.client, run.info.run_id, params=params)
+        return run.info.run_id
+
+    def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
+                         template_source: str | None = None) -> None:
+        failing = verdict.failing_gate
+        tags = {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
+                f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
+                f"{T}device": verdict.device.get("name", ""),
+                f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
+        _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics()}, tags=tags)
+        if cand.source is not None:
+            self.client.log_text(run_id, cand.source, "candidate/candidate.py")
+        if template_source is not None:
+            self.client.log_text(run_id, template_source, f"candidate/{cand.template}.py")
+            self.client.log_dict(run_id, cand.point, "candidate/point.json")
+        self.client.log_text(run_id, verdict.to_json(), "verdict.json")
+        self.client.set_terminated(run_id, "FAILED" if verdict.status == CRASH else "FINISHED")
