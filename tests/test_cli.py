@@ -1,0 +1,63 @@
+"""The `infersmith` command: exit codes, one-line errors, the verdict it prints."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CANDIDATES
+from flows.cli import main
+
+RMS = CANDIDATES / "rmsnorm"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ops_lists_signatures(capsys):
+    code, out, _ = run(capsys, "ops")
+    assert code == 0
+    assert "rmsnorm(x, weight, eps)" in out and "silu_mul(gate, up)" in out and "tiny" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["evaluate", "--op", "nope", "--model", "tiny", "--candidate", str(RMS / "honest_torch.py")], "unknown op 'nope'"),
+    (["evaluate", "--op", "rmsnorm", "--model", "qwen9", "--candidate", str(RMS / "honest_torch.py")], "unknown model preset"),
+    (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", "/no/such/file.py"], "cannot read candidate"),
+    (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "syntax_error.py")], "syntax error at line 2"),
+    (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "wrong_signature.py")], "does not match"),
+    (["evaluate", "--op", "silu_mul", "--model", "tiny", "--candidate", str(RMS / "honest_torch.py")], "no top-level function `silu_mul`"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--budget", "0"], "--budget must be at least 1"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--decode-batches", "1,x"], "comma-separated integers"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--template", "nope"], "no template 'nope'"),
+    (["optimize", "--op", "rmsnorm", "--proposer", "genius"], "invalid choice"),
+    (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "unknown model preset"),
+])
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_evaluate_pass_and_fail_exit_codes_and_json(capsys, prefect_server, tracking_home):
+    code, out, _ = run(capsys, "evaluate", "--op", "rmsnorm", "--model", "tiny",
+                       "--candidate", str(RMS / "honest_torch.py"), "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["verdict"]["status"] == "pass" and result["run_id"] and result["gpu_seconds"] > 0
+    code, out, _ = run(capsys, "evaluate", "--op", "rmsnorm", "--model", "tiny",
+                       "--candidate", str(RMS / "wrong_values.py"))
+    assert code == 1 and "status: fail" in out and "FAIL accuracy" in out
+    code, out, _ = run(capsys, "leaderboard", "--op", "rmsnorm", "--model", "tiny")
+    assert code == 0 and "free:" in out and "interpreter timing" in out
+
+
+def test_the_installed_command_refuses_bad_input_without_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "optimize", "--op", "rmsnorm", "--model", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
