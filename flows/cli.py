@@ -157,6 +157,20 @@ def cmd_leaderboard(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from tracking.report import report
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    ops = [_op(args.op).name] if args.op else None
+    from engine_templates.ops import OPS
+
+    tracker = Tracker(TrackingConfig.from_env())
+    for name in ops or list(OPS):
+        print(report(tracker, name, gpu_only=not args.include_cpu))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="infersmith", description="LLM-inference optimization that cannot be gamed.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -185,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--model", help="only this model preset")
     lb.add_argument("--limit", type=int, default=20)
     lb.set_defaults(fn=cmd_leaderboard)
+
+    r = sub.add_parser("report", help="markdown tables of the best candidate per shape vs eager and compile")
+    r.add_argument("--op", help="only this op (default: every op)")
+    r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
+    r.set_defaults(fn=cmd_report)
     return p
 
 

@@ -106,6 +106,7 @@ class Tracker:
         tags = {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
                 f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
                 f"{T}device": verdict.device.get("name", ""),
+                **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
                 f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
         _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics()}, tags=tags)
         if cand.source is not None:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Download, for a GPU host that has torch and triton but no package index, the wheels that
+# running the controller there (`infersmith optimize` with local Prefect and MLflow) needs.
+# Packages the host already has (its `pip list`, one name a line, in HAVE) are left out.
+# Usage: HAVE=host-packages.txt bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
+set -euo pipefail
+out=${1:?usage: controller_wheels.sh OUT_DIR [PYTHON_VERSION]}
+pyver=${2:-3.12}
+all=$(mktemp -d)
+plats=()
+for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
+    plats+=(--platform "${p}_x86_64")
+done
+python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
+    "${plats[@]}" -d "$all" "prefect>=3.4,<4" "mlflow-skinny>=3.1,<4" "sqlalchemy>=2" alembic \
+    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml
+mkdir -p "$out"
+norm() { tr 'A-Z_.' 'a-z--' ; }
+# Server-only or cloud-only pieces that a local run never imports.
+skip="botocore boto3 s3transfer jmespath asyncpg"
+for f in "$all"/*.whl; do
+    name=$(basename "$f" | cut -d- -f1 | norm)
+    case " $skip " in *" $name "*) continue ;; esac
+    if [ -n "${HAVE:-}" ] && norm < "$HAVE" | grep -qx "$name"; then continue; fi
+    cp "$f" "$out/"
+done
+rm -rf "$all"
+du -sh "$out"

@@ -1,0 +1,46 @@
+"""On a real GPU (the lent H200): timings are GPU timings, ceilings are measured, gates hold.
+Skipped where CUDA is not available (CI)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_templates.ops import get_op
+from flows.target import Target
+from harness.job import Candidate
+from test_gates import evaluate, free
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TARGET = Target(model="qwen3-8b", workload={"decode_batches": [1, 32], "prefill_tokens": [4096],
+                                            "contexts": [4096]})
+
+
+@pytest.mark.parametrize("op_name", ["rmsnorm", "silu_mul"])
+def test_template_default_is_timed_on_the_gpu_against_both_baselines(op_name):
+    template = next(iter(get_op(op_name).templates.values()))
+    verdict, charge = evaluate(Candidate(op=op_name, kind="template", template=template.name,
+                                         point=template.default), TARGET)
+    assert verdict.status == "pass", verdict.to_json()
+    assert verdict.device["gpu_timing"] and verdict.device["driver"] and verdict.device["cuda"]
+    ceil = verdict.device["ceilings"]
+    assert 1e12 < ceil["copy_bytes_per_s"] < 2e13 and ceil["matmul_flops_per_s"] > 1e14
+    for t in verdict.timings:
+        assert t.compile_us and t.eager_us and t.candidate_us > 0
+        assert t.roofline_us <= t.best_us * 1.1  # the speed-of-light gate passed for a reason
+
+
+@pytest.mark.parametrize("name, status, gate", [
+    ("unwritten_output", "fail", "finite"),
+    ("mutates_input", "fail", "inputs_unchanged"),
+    ("wrong_values", "fail", "accuracy"),
+])
+def test_planted_candidates_are_rejected_on_the_gpu(name, status, gate):
+    verdict, _ = evaluate(free(name), TARGET)
+    assert (verdict.status, verdict.failing_gate.name) == (status, gate), verdict.to_json()
+
+
+def test_honest_torch_candidate_passes_on_the_gpu():
+    verdict, _ = evaluate(free("honest_torch"), TARGET)
+    assert verdict.status == "pass" and verdict.gpu_timing, verdict.to_json()

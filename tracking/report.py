@@ -1,0 +1,72 @@
+"""Markdown tables of the best measured candidates, per op and target, from tracking.
+
+For every shape: the fastest passed candidate on that shape (an engine dispatches per shape),
+with torch eager and torch.compile timed in the same process, each as % of the roofline
+measured on that device, and the spread between two timings of the candidate.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from mlflow.entities import Run
+
+from tracking.history import search
+from tracking.schema import T, Tracker
+
+
+def _shape_rows(runs: list[Run]) -> dict[str, tuple[Run, dict[str, float]]]:
+    best: dict[str, tuple[Run, dict[str, float]]] = {}
+    for run in runs:
+        per_shape: dict[str, dict[str, float]] = defaultdict(dict)
+        for k, v in run.data.metrics.items():
+            if "/" in k and not k.startswith("stage_seconds/"):
+                shape, name = k.split("/", 1)
+                per_shape[shape][name] = v
+        for shape, m in per_shape.items():
+            if "latency_us" in m and (shape not in best or m["latency_us"] < best[shape][1]["latency_us"]):
+                best[shape] = (run, m)
+    return best
+
+
+def _cell(us: float | None, pct: float | None) -> str:
+    return "-" if us is None else f"{us:.1f} ({pct:.0f}%)" if pct is not None else f"{us:.1f}"
+
+
+def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
+    runs = search(tracker, op, status="pass")
+    if gpu_only:
+        runs = [r for r in runs if r.data.tags.get(f"{T}gpu_timing") == "true"]
+    by_target: dict[tuple[str, str], list[Run]] = defaultdict(list)
+    for r in runs:
+        by_target[(r.data.tags.get(f"{T}target", ""), r.data.tags.get(f"{T}device", ""))].append(r)
+    out = []
+    for (target, device), group in sorted(by_target.items()):
+        t = group[0].data.tags
+        dates = sorted(r.info.start_time for r in group)
+        from datetime import datetime, timezone
+
+        day = datetime.fromtimestamp(dates[-1] / 1000, timezone.utc).strftime("%Y-%m-%d")
+        out.append(f"### {op} — {target} — {device}\n")
+        out.append(f"{len(group)} passed candidates; {day}; torch {t.get(f'{T}torch')}, "
+                   f"triton {t.get(f'{T}triton')}, CUDA {t.get(f'{T}cuda')}, driver {t.get(f'{T}driver')}.\n")
+        out.append("| shape | best candidate | candidate µs (% roofline) | eager µs (%) | torch.compile µs (%) "
+                   "| vs compile | spread |")
+        out.append("| --- | --- | --- | --- | --- | --- | --- |")
+        for shape, (run, m) in sorted(_shape_rows(group).items(), key=lambda kv: _shape_order(kv[0])):
+            point = json.loads(run.data.tags.get(f"{T}candidate", "{}")).get("point", {})
+            label = ",".join(f"{k}={v}" for k, v in sorted(point.items())) or run.info.run_name
+            vs = m.get("speedup_vs_compile")
+            out.append(f"| {shape} | `{label}` | {_cell(m['latency_us'], m.get('pct_roofline'))} "
+                       f"| {_cell(m.get('eager_us'), m.get('eager_pct_roofline'))} "
+                       f"| {_cell(m.get('compile_us'), m.get('compile_pct_roofline'))} "
+                       f"| {f'{vs:.2f}x' if vs else '-'} | {100 * m.get('spread', 0):.1f}% |")
+        out.append("")
+    return "\n".join(out) if out else f"no passed GPU-timed candidates for {op}\n"
+
+
+def _shape_order(label: str):
+    import re
+
+    nums = [int(x) for x in re.findall(r"\d+", label)]
+    return (label.split("_")[0], nums)
