@@ -119,7 +119,8 @@ def _verdict_text(v: dict, result: dict) -> str:
                      f"  roofline {100 * t['roofline_us'] / best:.1f}%")
     if v["timings"] and not v["device"].get("gpu_timing"):
         lines.append("  (no GPU: timings are the Triton interpreter's and say nothing about a GPU)")
-    lines.append(f"mlflow run: {result['run_id']}  gpu_seconds: {result['gpu_seconds']:.1f}")
+    stages = ", ".join(f"{k.split('/')[1]} {v:.1f} s" for k, v in result.items() if k.startswith("stage_seconds/"))
+    lines.append(f"mlflow run: {result['run_id']}  gpu_seconds: {result['gpu_seconds']:.1f} ({stages})")
     return "\n".join(lines)
 
 

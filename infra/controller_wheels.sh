@@ -16,8 +16,8 @@ python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --imple
     sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }
-# Server-only or cloud-only pieces that a local run never imports.
-skip="botocore boto3 s3transfer jmespath asyncpg"
+# Cloud-only pieces that a local run never imports (S3 artifacts are not used there).
+skip="botocore boto3 s3transfer jmespath"
 for f in "$all"/*.whl; do
     name=$(basename "$f" | cut -d- -f1 | norm)
     case " $skip " in *" $name "*) continue ;; esac

@@ -1,0 +1,15 @@
+"""Where candidates come from: every proposer, by the name the command line uses."""
+from __future__ import annotations
+
+from engine_templates.ops.base import Template
+from proposers.base import Proposer
+from proposers.random import RandomProposer
+from proposers.tpe import TPEProposer
+
+PROPOSERS: dict[str, type[Proposer]] = {"random": RandomProposer, "tpe": TPEProposer}
+
+
+def make_proposer(name: str, op: str, template: Template, seed: int = 0) -> Proposer:
+    if name not in PROPOSERS:
+        raise KeyError(f"unknown proposer {name!r}; known: {', '.join(sorted(PROPOSERS))}")
+    return PROPOSERS[name](op, template, seed)

@@ -1,0 +1,61 @@
+"""optimize_op under Prefect's test server, tracked in MLflow on SQLite: the runs it leaves."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect.artifacts import Artifact
+
+from flows.optimize_op import optimize_op
+from flows.target import Target
+from tracking.history import leaderboard, search
+from tracking.schema import T, Tracker
+from tracking.store import TrackingConfig
+
+
+def children_of(tracker: Tracker, parent_id: str, op: str):
+    return [r for r in search(tracker, op) if r.data.tags.get("mlflow.parentRunId") == parent_id]
+
+
+def test_optimize_leaves_a_parent_and_one_child_per_candidate(prefect_server, tracking_home, tmp_path):
+    target = Target(model="tiny", budget={"candidates": 3})
+    result = optimize_op(op="silu_mul", target=target, proposer="random", seed=7)
+    tracker = Tracker(TrackingConfig.from_env())
+    parent = tracker.client.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags[f"{T}kind"] == "optimization"
+    assert parent.data.params["target.model"] == "tiny" and parent.data.params["proposer"] == "random"
+    assert parent.data.metrics["candidates"] == 3 and result["stop_reason"].startswith("budget")
+
+    children = children_of(tracker, parent.info.run_id, "silu_mul")
+    assert len(children) == 3
+    assert len({c.data.tags[f"{T}candidate_id"] for c in children}) == 3
+    for run in children:
+        tags, metrics = run.data.tags, run.data.metrics
+        assert tags[f"{T}status"] in ("pass", "fail", "crash")
+        assert tags[f"{T}op"] == "silu_mul" and tags[f"{T}model"] == "tiny" and tags[f"{T}proposer"] == "random"
+        assert tags[f"{T}gpu"].startswith("local:") and metrics["gpu_seconds"] > 0
+        assert {"point.block", "point.num_warps", "point.num_stages"} <= set(run.data.params)
+        files = {f.path for f in tracker.client.list_artifacts(run.info.run_id)}
+        assert "verdict.json" in files
+        local = tracker.client.download_artifacts(run.info.run_id, "verdict.json", str(tmp_path))
+        verdict = json.loads(Path(local).read_text())
+        assert verdict["status"] == tags[f"{T}status"] and verdict["op"] == "silu_mul"
+        if tags[f"{T}status"] == "pass":
+            assert metrics["score"] > 0 and "decode_b1/latency_us" in metrics
+            assert "prefill_40/speedup_vs_eager" in metrics and "max_rel_error" in metrics
+    board = Artifact.get("leaderboard-silu-mul")
+    assert board is not None and board.type == "table"
+
+
+def test_a_resumed_optimization_never_repeats_a_candidate(prefect_server, tracking_home):
+    target = Target(model="tiny", dtype="fp32", budget={"candidates": 2})
+    first = optimize_op(op="rmsnorm", target=target, proposer="tpe", seed=3)
+    second = optimize_op(op="rmsnorm", target=target, proposer="tpe", seed=3)
+    tracker = Tracker(TrackingConfig.from_env())
+    ids = [r.data.tags[f"{T}candidate_id"] for p in (first, second)
+           for r in children_of(tracker, p["parent_run_id"], "rmsnorm")]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    board = leaderboard(tracker, "rmsnorm", "tiny")
+    assert board and all(b.score > 0 for b in board)
+    assert [b.rank for b in board] == list(range(1, len(board) + 1))
