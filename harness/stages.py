@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from engine_templates.ops import get_op
-from engine_templates.ops.base import DISTRIBUTIONS, DTYPES
+from engine_templates.ops.base import DISTRIBUTIONS, DTYPES, generator
 from harness import ceilings, device as devices, timing
 from harness.checks import check_call
 from harness.job import Job
@@ -53,7 +53,7 @@ def _compile(job: Job, op, fn, dev: str, v: Verdict) -> None:
     dtype = DTYPES[job.rules.dtype]
     t = time.perf_counter()
     for shape in [*job.shapes, *job.odd_shapes]:
-        args = op.inputs(shape, dtype, dev, torch.Generator().manual_seed(0), "normal")
+        args = op.inputs(shape, dtype, dev, generator(dev, 0), "normal")
         try:
             fn(*args)
             devices.synchronize(dev)
@@ -73,7 +73,7 @@ def _check(job: Job, op, fn, dev: str, v: Verdict) -> None:
         for seed in range(job.rules.seeds):
             dist = next(dists)
             draw = _fresh_seeds.getrandbits(62)  # unpredictable, and printed on failure to reproduce
-            args = op.inputs(shape, dtype, dev, torch.Generator().manual_seed(draw), dist)
+            args = op.inputs(shape, dtype, dev, generator(dev, draw), dist)
             try:
                 result = check_call(op, fn, args, dtype, dev, job.rules.rtol)
             except Exception as e:
@@ -100,23 +100,27 @@ def _bench(job: Job, op, fn, dev: str, v: Verdict) -> None:
     for shape in job.shapes:
         nbytes, flops = op.bytes(shape, dtype), op.flops(shape)
         n_sets = timing.rotation_count(nbytes, l2) if dev == "cuda" else 2
-        gen = torch.Generator().manual_seed(1234)
+        gen = generator(dev, 1234)
         arg_sets = [op.inputs(shape, dtype, dev, gen, "normal") for _ in range(n_sets)]
-        method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms)
-        try:
+        roofline_us = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
+        # Where launch overhead rivals the work, every contender is timed by CUDA-graph replay.
+        graph = dev == "cuda" and roofline_us < job.rules.launch_bound_us
+        method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=graph)
+        how = "graph" if graph else "events" if dev == "cuda" else "wall"
+        try:  # the baselines failing is the platform's fault, not the candidate's
             eager_us = timing.median_us(op.eager, arg_sets, method)
-            if dev == "cuda" and eager_us < job.rules.launch_bound_us:
-                method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=True)
-                eager_us = timing.median_us(op.eager, arg_sets, method)
             compile_us = timing.median_us(compiled, arg_sets, method) if compiled else None
+        except Exception as e:
+            v.crash("baseline", f"{shape.label}: timing the baselines ({how}) failed: {_describe_exception(e)}")
+            return
+        try:
             cand_us = timing.median_us(fn, arg_sets, method)
             cand_us_2 = timing.median_us(fn, arg_sets, method)
         except Exception as e:
-            v.gate("runtime", False, f"{shape.label} while timing: {_describe_exception(e)}")
+            v.gate("runtime", False, f"{shape.label} while timing ({how}): {_describe_exception(e)}")
             return
-        roofline_us = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
         v.timings.append(ShapeTiming(shape.label, shape.dims, cand_us, cand_us_2, eager_us, compile_us,
-                                     roofline_us, nbytes, flops))
+                                     roofline_us, nbytes, flops, how))
         # The timed function must still be right on what it was timed on.
         result = check_call(op, fn, arg_sets[-1], dtype, dev, job.rules.rtol)
         if not result.ok:

@@ -32,6 +32,7 @@ class ShapeTiming:
     roofline_us: float
     bytes: int
     flops: int
+    method: str = "events"  # "graph": CUDA-graph replay; "events": one event pair per call; "wall": CPU
 
     @property
     def spread(self) -> float:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from engine_templates.ops.base import Op
+from engine_templates.ops.decode_attention import OP as _decode_attention
+from engine_templates.ops.fused_add_rmsnorm import OP as _fused_add_rmsnorm
 from engine_templates.ops.rmsnorm import OP as _rmsnorm
 from engine_templates.ops.silu_mul import OP as _silu_mul
 
-OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul)}
+OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul, _fused_add_rmsnorm, _decode_attention)}
 
 
 def get_op(name: str) -> Op:

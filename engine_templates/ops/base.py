@@ -25,18 +25,29 @@ DISTRIBUTIONS = ("normal", "uniform", "heavy", "offset")
 
 
 def random_tensor(shape, dtype, device, gen: torch.Generator, dist: str, scale: float = 1.0):
-    """Fresh random data in one of DISTRIBUTIONS, drawn in float32 on the CPU then moved."""
+    """Fresh random data in one of DISTRIBUTIONS, drawn in float32 where `gen` lives, then moved.
+
+    The harness hands ops a generator on the device under test: drawing gigabytes of cache
+    on the host would cost more than everything else in a check.
+    """
+    at = gen.device
     if dist == "normal":
-        t = torch.randn(shape, generator=gen)
+        t = torch.randn(shape, generator=gen, device=at)
     elif dist == "uniform":
-        t = torch.rand(shape, generator=gen) * 4 - 2
+        t = torch.rand(shape, generator=gen, device=at) * 4 - 2
     elif dist == "heavy":  # log-normal magnitudes with random signs: outliers in every row
-        t = torch.randn(shape, generator=gen).exp() * torch.sign(torch.randn(shape, generator=gen))
+        t = torch.randn(shape, generator=gen, device=at).exp()
+        t *= torch.sign(torch.randn(shape, generator=gen, device=at))
     elif dist == "offset":
-        t = torch.randn(shape, generator=gen) * 0.5 + 3.0
+        t = torch.randn(shape, generator=gen, device=at) * 0.5 + 3.0
     else:
         raise ValueError(f"unknown distribution {dist!r}")
     return (t * scale).to(device=device, dtype=dtype)
+
+
+def generator(device: str, seed: int) -> torch.Generator:
+    """The generator ops draw inputs from: on the device under test."""
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True)

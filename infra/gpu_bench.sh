@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The op benchmarks of docs/BENCHMARKS.md, on one GPU host that has torch and triton but no
+# package index: installs the carried controller wheels (infra/controller_wheels.sh), runs
+# `infersmith optimize` for each op and model, and leaves the tracking store and a report.
+# Usage (repo root, wheels in .whl/): OUT=dir [RESTORE=home.tgz] BUDGET=8 MODELS="qwen3-8b" OPS="rmsnorm" bash infra/gpu_bench.sh
+set -uo pipefail
+out=${OUT:?set OUT to a folder for the results}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_HOME=/tmp/prefect-home
+export INFERSMITH_HOME=${INFERSMITH_HOME:-/tmp/infersmith-home} PREFECT_SERVER_ANALYTICS_ENABLED=false
+# RESTORE: a home.tgz from an earlier call, so that runs accumulate in one tracking store.
+if [ -n "${RESTORE:-}" ] && [ -f "$RESTORE" ]; then tar xzf "$RESTORE" -C "$(dirname "$INFERSMITH_HOME")"; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/bench.log"
+for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
+    for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
+        echo "== $op $model budget ${BUDGET:-8}" | tee -a "$out/bench.log"
+        python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
+            ${EXTRA:-} 2>&1 | grep -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
+            | sed -E 's/^.* - //' | tee -a "$out/bench.log"
+    done
+done
+python3 -m flows.cli report > "$out/report.md" 2>> "$out/bench.log"
+tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")"
