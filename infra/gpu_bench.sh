@@ -2,7 +2,9 @@
 # The op benchmarks of docs/BENCHMARKS.md, on one GPU host that has torch and triton but no
 # package index: installs the carried controller wheels (infra/controller_wheels.sh), runs
 # `infersmith optimize` for each op and model, and leaves the tracking store and a report.
-# Usage (repo root, wheels in .whl/): OUT=dir [RESTORE=home.tgz] BUDGET=8 MODELS="qwen3-8b" OPS="rmsnorm" bash infra/gpu_bench.sh
+# Usage (repo root, wheels in .whl/):
+#   OUT=dir [RESTORE=home.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
+# OP_TIMEOUT stops one op's optimization after s seconds; its finished candidates stay tracked.
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -15,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
     for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
         echo "== $op $model budget ${BUDGET:-8}" | tee -a "$out/bench.log"
-        python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
+        timeout "${OP_TIMEOUT:-900}" python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
             ${EXTRA:-} 2>&1 | grep -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
             | sed -E 's/^.* - //' | tee -a "$out/bench.log"
     done
