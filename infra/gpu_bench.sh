@@ -17,10 +17,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
     for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
         echo "== $op $model budget ${BUDGET:-8}" | tee -a "$out/bench.log"
-        timeout "${OP_TIMEOUT:-900}" python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
-            ${EXTRA:-} 2>&1 | grep -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
-            | sed -E 's/^.* - //' | tee -a "$out/bench.log"
+        # SIGINT, not SIGTERM: the flow then stops like a Ctrl-C, closing its runs and its server.
+        timeout -s INT -k 30 "${OP_TIMEOUT:-900}" python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
+            ${EXTRA:-} 2>&1 | grep --line-buffered -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
+            | sed -u -E 's/^.* - //' | tee -a "$out/bench.log"
+        # After every op, so that a call cut short still brings back what finished.
+        python3 -m flows.cli report > "$out/report.md" 2>> "$out/bench.log"
+        tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")"
     done
 done
-python3 -m flows.cli report > "$out/report.md" 2>> "$out/bench.log"
-tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")"
