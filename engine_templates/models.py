@@ -38,5 +38,7 @@ PRESETS: dict[str, ModelDims] = {
         # Small enough for the Triton interpreter on a CPU; odd sizes on purpose.
         ModelDims("tiny", hidden=96, intermediate=160, layers=2, heads=4,
                   kv_heads=2, head_dim=16, vocab=512),
+        ModelDims("tiny-moe", hidden=96, intermediate=40, layers=2, heads=4,
+                  kv_heads=2, head_dim=16, vocab=512, experts=8, experts_per_token=2),
     )
 }

@@ -1,0 +1,152 @@
+"""The engine's settings and the model's, each one validated dataclass built at the edge."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+class ModelDirError(ValueError):
+    """A model directory that cannot be served; the message is one line for a person."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from a HuggingFace config.json of Qwen3 or Qwen3-MoE."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rms_eps: float
+    rope_theta: float
+    max_positions: int
+    tie_embeddings: bool
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        assert self.heads % self.kv_heads == 0, "q heads must be a multiple of kv heads"
+        assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
+        assert not self.experts or 0 < self.experts_per_token <= self.experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise ModelDirError(f"no such model directory: {model_dir}")
+        if not path.is_file():
+            raise ModelDirError(f"not a model directory: {model_dir} has no config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelDirError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        if not isinstance(raw, dict):
+            raise ModelDirError(f"{path}: expected a JSON object")
+        model_type = raw.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ModelDirError(f"{path}: model_type {model_type!r} is not supported "
+                                f"(supported: {', '.join(ARCHITECTURES)})")
+        try:
+            return cls._parse(raw, model_type, path.parent)
+        except KeyError as e:
+            raise ModelDirError(f"{path}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError, AssertionError) as e:
+            raise ModelDirError(f"{path}: {e or 'inconsistent values'}") from None
+
+    @classmethod
+    def _parse(cls, raw: dict, model_type: str, model_dir: Path) -> "ModelConfig":
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (default RoPE only)")
+        if raw.get("attention_bias") or raw.get("use_sliding_window"):
+            raise ValueError("attention bias and sliding-window attention are not supported")
+        heads = int(raw["num_attention_heads"])
+        layers = int(raw["num_hidden_layers"])
+        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0))) if model_type == "qwen3_moe" else 0
+        step = int(raw.get("decoder_sparse_step", 1))
+        skip = set(raw.get("mlp_only_layers", []))
+        moe_layers = tuple(i for i in range(layers) if experts and i not in skip and (i + 1) % step == 0)
+        return cls(
+            model_type=model_type, hidden=int(raw["hidden_size"]),
+            intermediate=int(raw["intermediate_size"]), layers=layers, heads=heads,
+            kv_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            vocab=int(raw["vocab_size"]), rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            max_positions=int(raw.get("max_position_embeddings", 32768)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 0)),
+            moe_intermediate=int(raw.get("moe_intermediate_size", 0)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=moe_layers,
+            eos_token_ids=_eos_ids(raw, model_dir))
+
+
+def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id wins over config.json's, as in transformers."""
+    eos = raw.get("eos_token_id")
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        except json.JSONDecodeError as e:
+            raise ModelDirError(f"{gen}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Where one op's implementation comes from (see kernels.py)."""
+
+    impl: str = "eager"  # reference | eager | template | free
+    template: str = ""
+    point: dict = field(default_factory=dict)
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = "bf16"
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: from gpu_memory_utilization on a GPU, from the limits below on a CPU
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # tokens per prefill step; longer prompts are chunked
+    max_model_len: int = 4096
+    kernels: dict[str, KernelSpec] = field(default_factory=dict)
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self):
+        assert self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"
+        assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_model_len > 0
+        assert self.max_num_batched_tokens >= 1
+        assert 0 < self.gpu_memory_utilization <= 1
+        assert self.num_kv_blocks >= 0
+        assert all(b > 0 for b in self.cuda_graph_batch_sizes)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,126 @@
+"""The hot ops the model calls, each taken from the op registry as a kernels file says.
+
+A kernels file is JSON mapping op name to where its implementation comes from:
+
+    {"rmsnorm":          {"impl": "template", "template": "rows", "point": {"block_n": 0, ...}},
+     "decode_attention": {"impl": "free", "path": "candidates/decode.py"},
+     "rope":             {"impl": "reference"},
+     "silu_mul":         {"impl": "eager"}}
+
+`eager` (the default for every op the file does not name) is the op's PyTorch baseline;
+`reference` its float64 oracle, cast back to the input dtype (slow; for debugging);
+`template` a Triton template point (`point` left out: the template's default);
+`free` a Python file defining a function named after the op, e.g. a candidate that passed the gates.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine_templates.engine.config import KernelSpec
+from engine_templates.ops import OPS
+
+ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "rope", "decode_attention",
+              "prefill_attention", "fused_moe")
+IMPLS = ("reference", "eager", "template", "free")
+
+
+class KernelFileError(ValueError):
+    """A kernels file that cannot be used; the message is one line."""
+
+
+def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise KernelFileError(f"cannot read kernels file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise KernelFileError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(raw, dict):
+        raise KernelFileError(f"{path}: expected an object mapping op name to its choice")
+    specs = {}
+    for op, choice in raw.items():
+        where = f"{path}: {op}"
+        if op not in ENGINE_OPS:
+            raise KernelFileError(f"{where}: not an op the engine uses ({', '.join(ENGINE_OPS)})")
+        if not isinstance(choice, dict) or choice.get("impl") not in IMPLS:
+            raise KernelFileError(f"{where}: expected {{\"impl\": one of {', '.join(IMPLS)}, ...}}")
+        unknown = set(choice) - {"impl", "template", "point", "path"}
+        if unknown:
+            raise KernelFileError(f"{where}: unknown keys {sorted(unknown)}")
+        path_field = choice.get("path", "")
+        if path_field and not Path(path_field).is_absolute():
+            path_field = str(Path(path).parent / path_field)  # relative to the kernels file
+        specs[op] = KernelSpec(impl=choice["impl"], template=choice.get("template", ""),
+                               point=dict(choice.get("point", {})), path=path_field)
+    return specs
+
+
+def _cast_like_input(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The float64 reference, its outputs cast back to the dtype of the first tensor argument."""
+    def call(*args):
+        dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+        out = fn(*args)
+        if isinstance(out, tuple):
+            return tuple(o.to(dtype) for o in out)
+        return out.to(dtype)
+    return call
+
+
+def _load_free(op_name: str, path: str) -> Callable[..., Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise KernelFileError(f"{op_name}: no such candidate file {path}")
+    spec = importlib.util.spec_from_file_location(f"infersmith_kernel_{op_name}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise KernelFileError(f"{op_name}: {path} has a syntax error at line {e.lineno}") from None
+    fn = getattr(module, op_name, None)
+    if not callable(fn):
+        raise KernelFileError(f"{op_name}: {path} defines no function `{op_name}`")
+    return fn
+
+
+def resolve(op_name: str, spec: KernelSpec) -> Callable[..., Any]:
+    op = OPS[op_name]
+    if spec.impl == "eager":
+        return op.eager
+    if spec.impl == "reference":
+        return _cast_like_input(op.reference)
+    if spec.impl == "free":
+        return _load_free(op_name, spec.path)
+    template = op.templates.get(spec.template or next(iter(op.templates)))
+    if template is None:
+        raise KernelFileError(f"{op_name}: no template {spec.template!r}; "
+                              f"known: {', '.join(op.templates)}")
+    try:
+        return template.build(spec.point or template.default)
+    except ValueError as e:
+        raise KernelFileError(f"{op_name}: {e}") from None
+
+
+class KernelSet:
+    """One callable per engine op, and a record of where each came from."""
+
+    def __init__(self, specs: dict[str, KernelSpec]):
+        unknown = set(specs) - set(ENGINE_OPS)
+        if unknown:
+            raise KernelFileError(f"not ops the engine uses: {sorted(unknown)}")
+        self.choices: dict[str, dict[str, Any]] = {}
+        for name in ENGINE_OPS:
+            spec = specs.get(name, KernelSpec())
+            setattr(self, name, resolve(name, spec))
+            choice = {"impl": spec.impl}
+            if spec.impl == "template":
+                template = spec.template or next(iter(OPS[name].templates))
+                choice.update(template=template,
+                              point=spec.point or OPS[name].templates[template].default)
+            if spec.impl == "free":
+                choice["path"] = spec.path
+            self.choices[name] = choice

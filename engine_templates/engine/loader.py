@@ -1,0 +1,67 @@
+"""Fill a Qwen3Model from a HuggingFace directory's safetensors shards."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_templates.engine.config import ModelDirError
+from engine_templates.engine.model import Qwen3Model
+
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelDirError(f"not a model directory: {model_dir} has no *.safetensors weights")
+    return files
+
+
+def load_weights(model: Qwen3Model, model_dir: Path) -> None:
+    params = model.parameters()
+    filled: set[str] = set()
+    inter = model.cfg.moe_intermediate
+    for file in shard_files(model_dir):
+        try:
+            shard = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise ModelDirError(f"{file}: not a readable safetensors file ({e})") from None
+        with shard:
+            for name in shard.keys():
+                target, key = _target(model, params, name, inter)
+                if target is None:
+                    continue  # e.g. a tied lm_head stored anyway, or rotary buffers
+                tensor = shard.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ModelDirError(f"{file}: {name} has shape {tuple(tensor.shape)}; the config "
+                                        f"implies {tuple(target.shape)}")
+                target.copy_(tensor)
+                filled.add(key)
+    expected = set(params) | {f"{i}.{e}.{w}" for i in model.cfg.moe_layers
+                              for e in range(model.cfg.experts)
+                              for w in ("gate_proj", "up_proj", "down_proj")}
+    missing = sorted(expected - filled)
+    if missing:
+        raise ModelDirError(f"{model_dir}: {len(missing)} weights missing from the checkpoint, "
+                            f"e.g. {missing[0]}")
+
+
+def _target(model: Qwen3Model, params: dict[str, torch.Tensor], name: str, inter: int):
+    """(the tensor or slice a checkpoint entry is copied into, the key it fills)."""
+    if name in params:
+        return params[name], name
+    m = EXPERT.fullmatch(name)
+    if not m:
+        return None, name
+    layer, expert, which = int(m.group(1)), int(m.group(2)), m.group(3)
+    lay = model.layers[layer] if layer < len(model.layers) else None
+    if lay is None or not lay.is_moe or expert >= model.cfg.experts:
+        raise ModelDirError(f"checkpoint has {name}, which the config does not describe")
+    key = f"{layer}.{expert}.{which}"
+    if which == "down_proj":
+        return lay.w_down[expert], key
+    rows = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
+    return lay.w_gate_up[expert, rows], key

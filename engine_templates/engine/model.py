@@ -1,0 +1,136 @@
+"""Qwen3 and Qwen3-MoE forward passes over a paged KV cache, every hot op from a KernelSet.
+
+Weights are plain tensors (no nn.Module): `Qwen3Model.parameters()` names each one the way the
+checkpoint does, so the loader can fill them. The matmuls are torch's; the rest is the kernels'.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine_templates.engine.config import ModelConfig
+from engine_templates.engine.kernels import KernelSet
+
+
+@dataclass
+class AttentionInputs:
+    """Where this step's tokens go in the cache and what they attend to."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [tokens]: flat cache row of each new token's K/V
+    seq_lens: torch.Tensor  # int32 [batch]: cache positions of each sequence after this step
+    block_table: torch.Tensor  # int32 [batch, max_blocks]
+    cu_seqlens_q: torch.Tensor | None = None  # int32 [batch + 1], prefill only
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, index: int, dtype, device):
+        def empty(*shape):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        h, hd = cfg.hidden, cfg.head_dim
+        self.input_norm = empty(h)
+        self.post_attention_norm = empty(h)
+        self.q_proj = empty(cfg.heads * hd, h)
+        self.k_proj = empty(cfg.kv_heads * hd, h)
+        self.v_proj = empty(cfg.kv_heads * hd, h)
+        self.o_proj = empty(h, cfg.heads * hd)
+        self.q_norm = empty(hd)
+        self.k_norm = empty(hd)
+        self.is_moe = index in cfg.moe_layers
+        if self.is_moe:
+            n = cfg.moe_intermediate
+            self.router = empty(cfg.experts, h)
+            self.w_gate_up = empty(cfg.experts, 2 * n, h)  # each expert's gate rows, then up rows
+            self.w_down = empty(cfg.experts, h, n)
+        else:
+            self.gate_proj = empty(cfg.intermediate, h)
+            self.up_proj = empty(cfg.intermediate, h)
+            self.down_proj = empty(h, cfg.intermediate)
+
+
+class Qwen3Model:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, cos_sin: torch.Tensor,
+                 dtype: torch.dtype, device: str):
+        self.cfg = cfg
+        self.k = kernels
+        self.cos_sin = cos_sin
+        self.scale = cfg.head_dim ** -0.5
+        self.embed = torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, device=device)
+        self.layers = [Layer(cfg, i, dtype, device) for i in range(cfg.layers)]
+        self.norm = torch.empty(cfg.hidden, dtype=dtype, device=device)
+        self.lm_head = self.embed if cfg.tie_embeddings else torch.empty_like(self.embed)
+        self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Every weight but the MoE experts, by its checkpoint name (see loader.py for those)."""
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not self.cfg.tie_embeddings:
+            out["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out.update({p + "input_layernorm.weight": layer.input_norm,
+                        p + "post_attention_layernorm.weight": layer.post_attention_norm,
+                        p + "self_attn.q_proj.weight": layer.q_proj,
+                        p + "self_attn.k_proj.weight": layer.k_proj,
+                        p + "self_attn.v_proj.weight": layer.v_proj,
+                        p + "self_attn.o_proj.weight": layer.o_proj,
+                        p + "self_attn.q_norm.weight": layer.q_norm,
+                        p + "self_attn.k_norm.weight": layer.k_norm})
+            if layer.is_moe:
+                out[p + "mlp.gate.weight"] = layer.router
+            else:
+                out.update({p + "mlp.gate_proj.weight": layer.gate_proj,
+                            p + "mlp.up_proj.weight": layer.up_proj,
+                            p + "mlp.down_proj.weight": layer.down_proj})
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionInputs) -> torch.Tensor:
+        """Hidden states [tokens, hidden] after the final norm."""
+        k, eps = self.k, self.cfg.rms_eps
+        hidden = F.embedding(input_ids, self.embed)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, x = hidden, k.rmsnorm(hidden, layer.input_norm, eps)
+            else:
+                x, residual = k.fused_add_rmsnorm(hidden, residual, layer.input_norm, eps)
+            x = self._attention(i, layer, x, positions, attn)
+            x, residual = k.fused_add_rmsnorm(x, residual, layer.post_attention_norm, eps)
+            hidden = self._moe(layer, x) if layer.is_moe else self._mlp(layer, x)
+        out, _ = k.fused_add_rmsnorm(hidden, residual, self.norm, eps)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, i: int, layer: Layer, x, positions, attn: AttentionInputs):
+        cfg, k = self.cfg, self.k
+        tokens, hd = x.shape[0], cfg.head_dim
+        q = F.linear(x, layer.q_proj).view(-1, hd)
+        key = F.linear(x, layer.k_proj).view(-1, hd)
+        value = F.linear(x, layer.v_proj).view(tokens, cfg.kv_heads, hd)
+        q = k.rmsnorm(q, layer.q_norm, cfg.rms_eps).view(tokens, cfg.heads, hd)
+        key = k.rmsnorm(key, layer.k_norm, cfg.rms_eps).view(tokens, cfg.kv_heads, hd)
+        q, key = k.rope(q, key, self.cos_sin, positions)
+        k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        k_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, key)
+        v_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, value)
+        if attn.is_prefill:
+            out = k.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                      attn.block_table, self.scale)
+        else:
+            out = k.decode_attention(q, k_cache, v_cache, attn.seq_lens, attn.block_table, self.scale)
+        return F.linear(out.reshape(tokens, -1), layer.o_proj)
+
+    def _mlp(self, layer: Layer, x):
+        act = self.k.silu_mul(F.linear(x, layer.gate_proj), F.linear(x, layer.up_proj))
+        return F.linear(act, layer.down_proj)
+
+    def _moe(self, layer: Layer, x):
+        router_logits = F.linear(x, layer.router)
+        return self.k.fused_moe(x, router_logits, layer.w_gate_up, layer.w_down,
+                                self.cfg.experts_per_token, self.cfg.norm_topk_prob)

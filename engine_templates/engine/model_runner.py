@@ -1,0 +1,113 @@
+"""Runs the model on a scheduled batch: builds its inputs, owns the KV cache and the CUDA
+graphs, samples on the device, and brings back one small tensor of tokens per step."""
+from __future__ import annotations
+
+import torch
+
+from engine_templates.engine.config import EngineConfig, ModelConfig
+from engine_templates.engine.kernels import KernelSet
+from engine_templates.engine.loader import load_weights
+from engine_templates.engine.model import AttentionInputs, Qwen3Model
+from engine_templates.engine.sampler import Sampler
+from engine_templates.engine.sequence import Sequence
+from engine_templates.ops.rope import cos_sin_table
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, kernels: KernelSet):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        torch.manual_seed(config.seed)
+        cos_sin = cos_sin_table(model_config.head_dim, config.max_model_len, model_config.rope_theta,
+                                device=self.device)
+        self.model = Qwen3Model(model_config, kernels, cos_sin, config.torch_dtype, config.device)
+        load_weights(self.model, config.model_dir)
+        self.num_blocks = self._allocate_kv_cache(model_config)
+        # One block past the allocator's: padded rows of a captured decode batch write there.
+        self.scratch_block = self.num_blocks
+        self.sampler = Sampler(config.device, config.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from engine_templates.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, model_config)
+
+    def _allocate_kv_cache(self, cfg: ModelConfig) -> int:
+        per_block = 2 * cfg.layers * self.block_size * cfg.kv_heads * cfg.head_dim * \
+            self.config.torch_dtype.itemsize
+        if self.config.num_kv_blocks:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            blocks = int(budget // per_block)
+            assert blocks > 0, "no GPU memory left for the KV cache"
+        else:
+            blocks = self.config.max_num_seqs * self.max_blocks_per_seq
+        self.model.kv_cache = torch.empty(
+            (cfg.layers, 2, blocks + 1, self.block_size, cfg.kv_heads, cfg.head_dim),
+            dtype=self.config.torch_dtype, device=self.device)
+        return blocks
+
+    def _block_table(self, seqs: list[Sequence], rows: int | None = None) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        table = [s.block_table + [self.scratch_block] * (width - len(s.block_table)) for s in seqs]
+        table += [[self.scratch_block] * width] * ((rows or len(seqs)) - len(seqs))
+        return self._to_device(table, torch.int32)
+
+    def _to_device(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        ids, positions, slots, cu, seq_lens, last = [], [], [], [0], [], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += self._slots(seq, start, end)
+            cu.append(cu[-1] + end - start)
+            seq_lens.append(end)
+            last.append(cu[-1] - 1)
+        attn = AttentionInputs(True, self._to_device(slots, torch.int64),
+                               self._to_device(seq_lens, torch.int32), self._block_table(seqs),
+                               self._to_device(cu, torch.int32))
+        return (self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), attn,
+                self._to_device(last, torch.int64))
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        ids = [s.token_ids[-1] for s in seqs]
+        positions = [s.num_tokens - 1 for s in seqs]
+        slots = [self._slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs]
+        attn = AttentionInputs(False, self._to_device(slots, torch.int64),
+                               self._to_device([s.num_tokens for s in seqs], torch.int32),
+                               self._block_table(seqs))
+        return self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), attn
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, float] | None]:
+        """Per sequence: (next token, its log-probability), or None for a prompt chunk that
+        does not reach the end of its sequence."""
+        if is_prefill:
+            ids, positions, attn, last = self.prepare_prefill(seqs)
+            hidden = self.model.forward(ids, positions, attn)
+            logits = self.model.compute_logits(hidden[last])
+        elif self.graphs is not None and self.graphs.fits(len(seqs)):
+            logits = self.graphs.run(seqs)
+        else:
+            ids, positions, attn = self.prepare_decode(seqs)
+            logits = self.model.compute_logits(self.model.forward(ids, positions, attn))
+        sampling = [s for s in seqs if s.samples_after_step]
+        rows = [i for i, s in enumerate(seqs) if s.samples_after_step]
+        if not sampling:
+            return [None] * len(seqs)
+        tokens, logprobs = self.sampler(logits[rows] if len(rows) < len(seqs) else logits, sampling)
+        # The step's one device-to-host transfer: tokens (exact in float64) and log-probabilities.
+        host = torch.stack((tokens.double(), logprobs.double())).cpu()
+        picked = iter(zip(host[0].long().tolist(), host[1].tolist()))
+        return [next(picked) if s.samples_after_step else None for s in seqs]

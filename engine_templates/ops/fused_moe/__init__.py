@@ -1,0 +1,136 @@
+"""Fused MoE: top-k routing from router logits, then each token's experts (gated SiLU MLPs),
+summed with the routing weights. Qwen3-MoE's sparse block without the router's own matmul.
+
+    probs = softmax(router_logits[t]);  w, experts = top_k(probs);  w /= sum(w) if renormalize
+    gate, up = split(w_gate_up[e] @ x[t]);  out[t] = sum_k w_k * w_down[e_k] @ (silu(gate) * up)
+
+x [tokens, hidden]; router_logits [tokens, experts] (in x's dtype, as the model's router
+produces them); w_gate_up [experts, 2 * inter, hidden] (gate rows first, then up rows);
+w_down [experts, hidden, inter]; top_k int; renormalize bool. Returns a new tensor like x.
+
+Generated router logits are distinct multiples of 1/32 (exact in bf16/fp16), so the experts a
+token picks are the same in every precision and no kernel is judged on how it breaks a tie.
+Each token's top-k experts are drawn so that a shape of T tokens touches exactly
+min(experts, T * top_k) distinct experts: `bytes` is the exact weight traffic of every call.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_templates.models import ModelDims
+from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.rmsnorm import token_shapes
+from harness.job import Shape
+
+GEMV_TEMPLATE = Template(
+    name="gemv",
+    module="engine_templates.ops.fused_moe.templates",
+    space={
+        "block_i": [16, 32, 64, 128],  # intermediate channels per program (gate/up pass)
+        "block_h": [32, 64, 128, 256],  # hidden channels per tile
+        "num_warps": [1, 2, 4, 8],
+    },
+    default={"block_i": 32, "block_h": 128, "num_warps": 4},
+)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights [tokens, top_k] float32, experts [tokens, top_k] int64), as HF Qwen3-MoE routes."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class FusedMoE(Op):
+    name = "fused_moe"
+    signature = "fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)"
+    summary = ("x[tokens, hidden] through its top_k of experts (softmax over router_logits"
+               "[tokens, experts]; w_gate_up[experts, 2*inter, hidden], w_down[experts, hidden, "
+               "inter]) -> new tensor like x")
+    templates = {GEMV_TEMPLATE.name: GEMV_TEMPLATE}
+
+    @staticmethod
+    def _dims(model: ModelDims) -> dict[str, int]:
+        if not model.is_moe:
+            raise ValueError(f"fused_moe needs a mixture-of-experts preset; {model.name} is dense")
+        return {"hidden": model.hidden, "inter": model.intermediate, "experts": model.experts,
+                "top_k": model.experts_per_token}
+
+    def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
+        return token_shapes(self._dims(model), decode_batches, prefill_tokens)
+
+    def odd_shapes(self, model: ModelDims):
+        d = self._dims(model)
+        return [Shape("odd_3tokens", {**d, "tokens": 3}),
+                Shape("odd_sizes", {**d, "tokens": 7, "hidden": d["hidden"] // 2 + 7,
+                                    "inter": d["inter"] // 2 + 5})]
+
+    def inputs(self, shape, dtype, device, gen, dist):
+        d = shape.dims
+        t, h, n, e, k = d["tokens"], d["hidden"], d["inter"], d["experts"], d["top_k"]
+        assert e <= 256, "logits are multiples of 1/32 below 8, exact in bf16"
+        # Token i picks experts perm[(i * k + j) % e], j < k: min(e, t * k) distinct experts.
+        perm = torch.randperm(e, generator=gen, device=gen.device)
+        chosen = perm[(torch.arange(t * k, device=gen.device) % e).view(t, k)]
+        key = torch.rand((t, e), generator=gen, device=gen.device)
+        key.scatter_(1, chosen, 2.0 + torch.rand((t, k), generator=gen, device=gen.device))
+        ranks = key.argsort(dim=1, descending=True).argsort(dim=1)
+        logits = ((e - ranks).float() / 32).to(device=device, dtype=dtype)
+        x = random_tensor((t, h), dtype, device, gen, dist)
+        w_gate_up = random_tensor((e, 2 * n, h), dtype, device, gen, dist, scale=h ** -0.5)
+        w_down = random_tensor((e, h, n), dtype, device, gen, dist, scale=n ** -0.5)
+        return x, logits, w_gate_up, w_down, k, True
+
+    def reference(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
+        probs = torch.softmax(router_logits.double(), dim=-1)
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        inter = w_down.shape[2]
+        gu = torch.einsum("tkoh,th->tko", w_gate_up[experts].double(), x.double())
+        act = torch.nn.functional.silu(gu[..., :inter]) * gu[..., inter:]
+        out = torch.einsum("tkhi,tki->tkh", w_down[experts].double(), act)
+        return (out * weights[..., None]).sum(dim=1)
+
+    def eager(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
+        weights, experts = route(router_logits, top_k, renormalize)
+        weights = weights.to(x.dtype)
+        tokens, inter = x.shape[0], w_down.shape[2]
+        if tokens * top_k <= w_gate_up.shape[0]:
+            # Few tokens (decode): gather each (token, slot)'s expert and multiply in one batch.
+            # No host sync, so a CUDA graph can capture it; it copies the experts it reads.
+            flat = experts.flatten()
+            xs = x.repeat_interleave(top_k, dim=0)[:, :, None]
+            gu = torch.bmm(w_gate_up[flat], xs).squeeze(2)
+            act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            out = torch.bmm(w_down[flat], act[:, :, None]).squeeze(2)
+            return (out.view(tokens, top_k, -1) * weights[..., None]).sum(dim=1)
+        # Many tokens: group the (token, slot) pairs by expert and run each expert once.
+        flat = experts.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # host sync
+        out = torch.zeros((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                gu = x[pairs // top_k] @ w_gate_up[e].t()
+                act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                out[pairs] = act @ w_down[e].t()
+                start += n
+        return (out.view(tokens, top_k, -1) * weights[..., None]).sum(dim=1)
+
+    def bytes(self, shape, dtype):
+        d = shape.dims
+        t, h, n, e = d["tokens"], d["hidden"], d["inter"], d["experts"]
+        used = min(e, t * d["top_k"])  # exact for the generated routing (see the module docstring)
+        return (used * 3 * n * h + 2 * t * h + t * e) * dtype.itemsize
+
+    def flops(self, shape):
+        d = shape.dims
+        return 2 * d["tokens"] * d["top_k"] * 3 * d["inter"] * d["hidden"]
+
+
+OP = FusedMoE()

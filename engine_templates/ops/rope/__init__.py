@@ -1,0 +1,100 @@
+"""Rotary position embedding (rotate-half / NeoX layout, as Qwen3 uses) of queries and keys.
+
+    cos, sin = cos_sin[positions, :half], cos_sin[positions, half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    rope(x) = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+
+q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] are rotated with the same
+angles; cos_sin [max_positions, head_dim] float32 is the table the engine builds once from the
+model's rope_theta; positions int64 [tokens]. Returns (q_rotated, k_rotated), new tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_templates.models import ModelDims
+from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.rmsnorm import token_shapes
+from harness.job import Shape
+
+ROWS_TEMPLATE = Template(
+    name="rows",
+    module="engine_templates.ops.rope.templates",
+    space={
+        "tokens_per_program": [1, 2, 4, 8],
+        "num_warps": [1, 2, 4, 8],
+    },
+    default={"tokens_per_program": 1, "num_warps": 4},
+)
+
+MAX_POSITIONS = 4096  # table rows in the generated inputs: positions land anywhere in it
+
+
+def cos_sin_table(head_dim: int, max_positions: int, theta: float, device="cpu") -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of the angles in the first half, sin in the second.
+
+    Built as HF transformers builds it (float32 inverse frequencies, float32 outer product), so
+    the engine's angles are bit-equal to the oracle's."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)
+    freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Rope(Op):
+    name = "rope"
+    signature = "rope(q, k, cos_sin, positions)"
+    summary = ("q[tokens, q_heads, head_dim], k[tokens, kv_heads, head_dim] rotated by "
+               "cos_sin[positions] -> two new tensors like q and k")
+    n_outputs = 2
+    templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
+
+    @staticmethod
+    def _dims(model: ModelDims) -> dict[str, int]:
+        return {"q_heads": model.heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim}
+
+    def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
+        return token_shapes(self._dims(model), decode_batches, prefill_tokens)
+
+    def odd_shapes(self, model: ModelDims):
+        return [Shape("odd_3tokens", {"tokens": 3, **self._dims(model)}),
+                Shape("odd_heads", {"tokens": 11, "q_heads": 6, "kv_heads": 3, "head_dim": 24})]
+
+    def inputs(self, shape, dtype, device, gen, dist):
+        d = shape.dims
+        t, hd = d["tokens"], d["head_dim"]
+        q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
+        k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
+        cos_sin = cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device)
+        positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen, device=gen.device).to(device)
+        return q, k, cos_sin, positions
+
+    def reference(self, q, k, cos_sin, positions):
+        half = q.shape[-1] // 2
+        cs = cos_sin[positions].double()
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        return _rotate(q.double(), cos, sin), _rotate(k.double(), cos, sin)
+
+    def eager(self, q, k, cos_sin, positions):
+        half = q.shape[-1] // 2
+        cs = cos_sin[positions]
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        return (_rotate(q.float(), cos, sin).to(q.dtype), _rotate(k.float(), cos, sin).to(k.dtype))
+
+    def bytes(self, shape, dtype):
+        d = shape.dims
+        qk = d["tokens"] * (d["q_heads"] + d["kv_heads"]) * d["head_dim"]
+        return 2 * qk * dtype.itemsize + d["tokens"] * (d["head_dim"] * 4 + 8)  # + table rows, positions
+
+    def flops(self, shape):
+        d = shape.dims
+        return 3 * d["tokens"] * (d["q_heads"] + d["kv_heads"]) * d["head_dim"]
+
+
+OP = Rope()

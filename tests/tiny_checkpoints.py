@@ -1,0 +1,63 @@
+"""Tiny Qwen3 and Qwen3-MoE checkpoints for the engine tests: random weights saved by HF
+transformers, a byte-level BPE tokenizer trained on the spot, a ChatML chat template."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A small engine serves a tiny model, one token at a time.",
+    "Paged attention keeps the cache in blocks; the scheduler batches requests.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols: + - * / = ( ) [ ] { } < > ' \" , .",
+    "Continuous batching lets new requests join while others decode.",
+] * 20
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VOCAB = 384
+
+
+def train_tokenizer(out: Path) -> int:
+    """Writes tokenizer.json and tokenizer_config.json; returns the EOS id (<|im_end|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
+    return tok.token_to_id("<|im_end|>")
+
+
+def make_checkpoint(out: Path, moe: bool, seed: int = 0) -> Path:
+    """A saved model directory; weights drawn with a larger std than HF's default so that the
+    next-token distribution is peaked and greedy choices are not near-ties."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    eos = train_tokenizer(out)
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                  initializer_range=0.15, eos_token_id=eos, pad_token_id=0)
+    torch.manual_seed(seed)
+    if moe:
+        # Layer 1 dense (mlp_only_layers): both kinds of MLP in one model.
+        config = Qwen3MoeConfig(intermediate_size=80, moe_intermediate_size=32, num_experts=8,
+                                num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                tie_word_embeddings=False, **common)
+        model = Qwen3MoeForCausalLM(config)
+    else:
+        config = Qwen3Config(intermediate_size=96, tie_word_embeddings=True, **common)
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out)
+    return out
