@@ -61,3 +61,19 @@ def make_checkpoint(out: Path, moe: bool, seed: int = 0) -> Path:
         model = Qwen3ForCausalLM(config)
     model.save_pretrained(out)
     return out
+
+
+_made: dict[str, Path] = {}
+
+
+def checkpoint(kind: str) -> Path:
+    """The `dense` or `moe` checkpoint, made once per test process."""
+    if kind not in _made:
+        import atexit
+        import shutil
+        import tempfile
+
+        root = Path(tempfile.mkdtemp(prefix=f"infersmith-{kind}-"))
+        atexit.register(shutil.rmtree, root, True)
+        _made[kind] = make_checkpoint(root / f"tiny-qwen3-{kind}", moe=kind == "moe")
+    return _made[kind]

@@ -11,8 +11,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
-class ModelDirError(ValueError):
-    """A model directory that cannot be served; the message is one line for a person."""
+class EngineSetupError(ValueError):
+    """What the engine was given cannot be used; the message is one line for a person."""
+
+
+class ModelDirError(EngineSetupError):
+    """A model directory that cannot be served."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine_templates.engine.config import KernelSpec
+from engine_templates.engine.config import EngineSetupError, KernelSpec
 from engine_templates.ops import OPS
 
 ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "rope", "decode_attention",
@@ -29,8 +29,8 @@ ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "rope", "decode_attent
 IMPLS = ("reference", "eager", "template", "free")
 
 
-class KernelFileError(ValueError):
-    """A kernels file that cannot be used; the message is one line."""
+class KernelFileError(EngineSetupError):
+    """A kernels file or kernel choice that cannot be used."""
 
 
 def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:

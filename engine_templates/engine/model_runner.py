@@ -46,7 +46,9 @@ class ModelRunner:
             assert blocks > 0, "no GPU memory left for the KV cache"
         else:
             blocks = self.config.max_num_seqs * self.max_blocks_per_seq
-        self.model.kv_cache = torch.empty(
+        # Zeros, not empty: a masked-out cache slot still enters a softmax-weighted sum as
+        # 0 * value, and NaN bits left in recycled memory would turn that into NaN.
+        self.model.kv_cache = torch.zeros(
             (cfg.layers, 2, blocks + 1, self.block_size, cfg.kv_heads, cfg.head_dim),
             dtype=self.config.torch_dtype, device=self.device)
         return blocks

@@ -1,0 +1,141 @@
+"""`engine generate` and `engine serve`: shared by `infersmith engine ...` and, on a GPU host
+without the controller's packages, `python -m engine_templates.engine ...`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
+
+
+def add_commands(sub) -> None:
+    """Adds `generate` and `serve` to an argparse subparsers object (each sets `engine_fn`)."""
+    g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
+    _add_engine_options(g)
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, help="per-request seed for sampled decoding")
+    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, "
+                                                        "token ids, log-probabilities, kernels")
+    g.set_defaults(engine_fn=cmd_generate)
+    s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
+    _add_engine_options(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    s.set_defaults(engine_fn=cmd_serve)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, type=Path, help="HF-format directory: config.json, "
+                   "*.safetensors, tokenizer.json")
+    p.add_argument("--kernels", type=Path, help="JSON file choosing each op's implementation "
+                                                "(default: every op eager)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="prompt tokens per prefill step; longer prompts are chunked")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="0: as many as memory allows")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args) -> EngineConfig:
+    """Validates the model directory (one-line EngineSetupError) before anything heavy loads."""
+    from engine_templates.engine.kernels import parse_kernels_file
+
+    ModelConfig.from_dir(args.model_dir)
+    kernels = parse_kernels_file(args.kernels) if args.kernels else {}
+    extra = {"device": args.device} if args.device else {}
+    try:
+        return EngineConfig(model_dir=args.model_dir, dtype=args.dtype, kernels=kernels,
+                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
+                            seed=args.seed, **extra)
+    except AssertionError as e:
+        raise EngineSetupError(f"bad engine option: {e}") from None
+
+
+def cmd_generate(args) -> int:
+    from engine_templates.engine.engine import LLMEngine
+    from engine_templates.engine.sequence import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.sampling_seed, max_tokens=args.max_tokens,
+                                stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise EngineSetupError(str(e)) from None
+    engine = LLMEngine(engine_config(args))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    try:
+        seqs = engine.generate(prompts, params)
+    except ValueError as e:  # a prompt longer than the model allows
+        raise EngineSetupError(str(e)) from None
+    for seq in seqs:
+        if args.json:
+            print(json.dumps({"text": seq.text, "finish_reason": seq.finish_reason,
+                              "prompt_token_ids": seq.token_ids[:seq.num_prompt_tokens],
+                              "token_ids": seq.completion_token_ids, "logprobs": seq.logprobs,
+                              "kernels": engine.kernel_choices}))
+        else:
+            print(seq.text)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from aiohttp import web
+
+    from engine_templates.engine.engine import LLMEngine
+    from engine_templates.engine.server import create_app
+
+    engine = LLMEngine(engine_config(args))
+    name = args.served_model_name or Path(args.model_dir).resolve().name
+    app = create_app(engine, name)
+
+    async def serve_forever():
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        port = runner.addresses[0][1]  # the real one when --port 0 asked for any
+        print(f"serving {name} on http://{args.host}:{port} (kernels: "
+              f"{json.dumps(engine.kernel_choices)})", flush=True)
+        try:
+            while True:
+                await asyncio.sleep(3600)
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(serve_forever())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_templates.engine")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    try:
+        return args.engine_fn(args)
+    except EngineSetupError as e:
+        print(f"infersmith: {e}", file=sys.stderr)
+        return 2
