@@ -26,6 +26,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.largest_batch = 0  # the most sequences one step has run: evidence of batching
         log.info("engine kernels: %s", self.kernels.choices)
 
     @property
@@ -57,6 +58,7 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
+        self.largest_batch = max(self.largest_batch, len(seqs))
         results = self.runner.run(seqs, is_prefill)
         return self.postprocess(seqs, results)
 

@@ -65,13 +65,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            try:
-                messages = [self._inbox.get(block=not self.engine.has_unfinished())]
-                while True:
-                    messages.append(self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            for kind, request in messages:
+            for kind, request in self._drain_inbox(wait=not self.engine.has_unfinished()):
                 if kind == "stop":
                     return
                 self._handle(kind, request)
@@ -86,6 +80,14 @@ class EngineLoop:
                     return
                 for seq in updated:
                     self._deliver(seq)
+
+    def _drain_inbox(self, wait: bool) -> list:
+        messages = [self._inbox.get()] if wait else []
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return messages
 
     def _handle(self, kind: str, request: Request) -> None:
         if kind == "add":

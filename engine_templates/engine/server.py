@@ -54,7 +54,8 @@ async def health(request: web.Request) -> web.Response:
     if state.loop.failure:
         return _error_body(503, state.loop.failure, "server_error")
     return web.json_response({"status": "ok", "model": state.model_name,
-                              "kernels": state.engine.kernel_choices})
+                              "kernels": state.engine.kernel_choices,
+                              "largest_batch": state.engine.largest_batch})
 
 
 async def models(request: web.Request) -> web.Response:

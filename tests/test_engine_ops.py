@@ -1,0 +1,127 @@
+"""The engine's new ops (rope, prefill_attention, fused_moe): registered, references checked
+against independent accounts (transformers' own modules, decode_attention), eager baselines and
+template points through the harness's check (Triton's interpreter on a CPU), roofline counts."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from engine_templates.models import PRESETS  # noqa: E402
+from engine_templates.ops import get_op  # noqa: E402
+from engine_templates.ops.base import DISTRIBUTIONS, generator  # noqa: E402
+from harness.checks import check_call, rel_error  # noqa: E402
+from harness.job import Shape  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+CASES = {  # op -> (model preset, a non-default template point)
+    "rope": ("tiny", {"tokens_per_program": 4, "num_warps": 2}),
+    "prefill_attention": ("tiny", {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}),
+    "fused_moe": ("tiny-moe", {"block_i": 16, "block_h": 32, "num_warps": 2}),
+}
+
+
+def shapes(op, preset):
+    return op.shapes(PRESETS[preset], [1, 3], [20], [24]) + op.odd_shapes(PRESETS[preset])
+
+
+def draw(op, shape, dtype, i):
+    return op.inputs(shape, dtype, DEVICE, generator(DEVICE, i), DISTRIBUTIONS[i % len(DISTRIBUTIONS)])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_registered_with_a_template(name):
+    op = get_op(name)
+    assert op.templates and op.arg_names == op.signature[op.signature.index("(") + 1:-1].split(", ")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("impl", ["eager", "default", "point"])
+def test_passes_the_harness_check(name, impl, dtype):
+    op = get_op(name)
+    preset, point = CASES[name]
+    template = next(iter(op.templates.values()))
+    fn = {"eager": op.eager, "default": template.build(template.default) if impl == "default" else None,
+          "point": template.build(point) if impl == "point" else None}[impl]
+    for i, shape in enumerate(shapes(op, preset)):
+        result = check_call(op, fn, draw(op, shape, dtype, i), dtype, DEVICE, RTOL[dtype])
+        assert result.ok, f"{shape.label}: {result.gate} {result.detail}"
+
+
+def test_rope_reference_matches_transformers():
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    op = get_op("rope")
+    q, k, cos_sin, positions = draw(op, op.odd_shapes(PRESETS["tiny"])[1], torch.float32, 0)
+    half = q.shape[-1] // 2
+    cos = torch.cat([cos_sin[positions, :half]] * 2, -1).double()
+    sin = torch.cat([cos_sin[positions, half:]] * 2, -1).double()
+    hf_q, hf_k = apply_rotary_pos_emb(q.double().transpose(0, 1)[None], k.double().transpose(0, 1)[None],
+                                      cos[None], sin[None])
+    ref_q, ref_k = op.reference(q, k, cos_sin, positions)
+    assert torch.allclose(ref_q, hf_q[0].transpose(0, 1)) and torch.allclose(ref_k, hf_k[0].transpose(0, 1))
+
+
+def test_fused_moe_reference_matches_the_transformers_block():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    op = get_op("fused_moe")
+    shape = op.shapes(PRESETS["tiny-moe"], [5], [], [])[0]
+    x, logits, w_gate_up, w_down, top_k, renormalize = draw(op, shape, torch.float32, 2)
+    d = shape.dims
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(
+        hidden_size=d["hidden"], moe_intermediate_size=d["inter"], num_experts=d["experts"],
+        num_experts_per_tok=top_k, norm_topk_prob=renormalize)).double()
+    router = torch.linalg.lstsq(x.double(), logits.double()).solution.t()  # logits = x @ router.T
+    with torch.no_grad():
+        block.gate.weight.copy_(router)
+        block.experts.gate_up_proj.copy_(w_gate_up.double())
+        block.experts.down_proj.copy_(w_down.double())
+        expected = block(x.double()[None])[0]
+    assert rel_error(op.reference(x, (x.double() @ router.t()), w_gate_up, w_down, top_k, renormalize),
+                     expected) < 1e-6  # transformers takes the softmax in float32
+
+
+def test_prefill_attention_last_row_is_decode_attention():
+    # A sequence's last new token attends its whole cache: decode attention over the same pages.
+    op, decode = get_op("prefill_attention"), get_op("decode_attention")
+    q, k_cache, v_cache, cu, seq_lens, table, scale = draw(op, op.odd_shapes(PRESETS["tiny"])[1],
+                                                           torch.float32, 1)
+    last = (cu[1:] - 1).long()
+    expected = decode.reference(q[last], k_cache, v_cache, seq_lens, table, scale)
+    assert torch.allclose(op.reference(q, k_cache, v_cache, cu, seq_lens, table, scale)[last], expected)
+
+
+def test_fused_moe_inputs_touch_exactly_the_experts_bytes_counts():
+    op = get_op("fused_moe")
+    for tokens in (1, 3, 50):
+        shape = op.shapes(PRESETS["tiny-moe"], [tokens], [], [])[0]
+        x, logits, *_ = draw(op, shape, torch.bfloat16, tokens)
+        chosen = logits.float().topk(2, dim=-1).indices
+        assert len(chosen.unique()) == min(8, tokens * 2)
+        assert len(logits[0].unique()) == 8, "no ties among one token's logits"
+
+
+def test_bytes_and_flops():
+    prefill = Shape("s", {"batch": 1, "q_len": 4, "prefix": 0, "q_heads": 2, "kv_heads": 1,
+                          "head_dim": 8, "block_size": 16})
+    # K and V of 4 positions (1 head x 8 x 2 bytes, twice), q and out of 4 tokens x 2 heads x 8
+    assert get_op("prefill_attention").bytes(prefill, torch.bfloat16) == (4 * 8 * 2 + 2 * 4 * 2 * 8) * 2
+    assert get_op("prefill_attention").flops(prefill) == 4 * (1 + 2 + 3 + 4) * 2 * 8
+    moe = Shape("m", {"tokens": 1, "hidden": 4, "inter": 2, "experts": 8, "top_k": 2})
+    assert get_op("fused_moe").bytes(moe, torch.bfloat16) == (2 * 3 * 2 * 4 + 2 * 4 + 8) * 2
+    rope = Shape("r", {"tokens": 2, "q_heads": 2, "kv_heads": 1, "head_dim": 4})
+    assert get_op("rope").bytes(rope, torch.float32) == 2 * 2 * 3 * 4 * 4 + 2 * (4 * 4 + 8)
+
+
+def test_fused_moe_needs_an_moe_preset():
+    with pytest.raises(ValueError, match="qwen3-8b is dense"):
+        get_op("fused_moe").shapes(PRESETS["qwen3-8b"], [1], [], [])
