@@ -172,6 +172,17 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_engine(args) -> int:
+    """`infersmith engine generate|serve` (engine_templates/engine/cli.py); a bad model
+    directory or kernels file is a usage error."""
+    from engine_templates.engine.config import EngineSetupError
+
+    try:
+        return args.engine_fn(args)
+    except EngineSetupError as e:
+        raise UsageError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="infersmith", description="LLM-inference optimization that cannot be gamed.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -205,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--op", help="only this op (default: every op)")
     r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
     r.set_defaults(fn=cmd_report)
+    en = sub.add_parser("engine", help="the LLM engine: generate text, or serve an OpenAI-compatible API")
+    from engine_templates.engine.cli import add_commands
+
+    add_commands(en.add_subparsers(dest="engine_command", required=True, parser_class=_Parser))
+    en.set_defaults(fn=cmd_engine)
     return p
 
 

@@ -1,5 +1,9 @@
 """`engine generate` and `engine serve`: shared by `infersmith engine ...` and, on a GPU host
-without the controller's packages, `python -m engine_templates.engine ...`."""
+without the controller's packages, `python -m engine_templates.engine ...`.
+
+Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
+command, and importing torch costs seconds.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +12,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-
-from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
 
 
 def add_commands(sub) -> None:
@@ -52,8 +54,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def engine_config(args) -> EngineConfig:
+def engine_config(args):
     """Validates the model directory (one-line EngineSetupError) before anything heavy loads."""
+    from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
     from engine_templates.engine.kernels import parse_kernels_file
 
     ModelConfig.from_dir(args.model_dir)
@@ -70,6 +73,7 @@ def engine_config(args) -> EngineConfig:
 
 
 def cmd_generate(args) -> int:
+    from engine_templates.engine.config import EngineSetupError
     from engine_templates.engine.engine import LLMEngine
     from engine_templates.engine.sequence import SamplingParams
 
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_templates.engine")
     add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    from engine_templates.engine.config import EngineSetupError
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     try:
         return args.engine_fn(args)

@@ -1,0 +1,50 @@
+"""`infersmith engine generate|serve`: a real generation on the tiny checkpoint, one-line
+usage errors (exit 2) for a missing or malformed model directory or kernels file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_checkpoints import checkpoint
+
+from flows.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_prints_the_engine_s_greedy_answer(capsys):
+    from engine_templates.engine.config import EngineConfig
+    from engine_templates.engine.engine import LLMEngine
+    from engine_templates.engine.sequence import SamplingParams
+
+    code, out, err = run(capsys, "engine", "generate", "--model-dir", str(checkpoint("dense")),
+                         "--prompt", "Hello world!", "--prompt", "The quick", "--max-tokens", "6",
+                         "--ignore-eos", "--dtype", "fp32", "--json")
+    assert code == 0, err
+    answers = [json.loads(line) for line in out.splitlines()]
+    engine = LLMEngine(EngineConfig(model_dir=checkpoint("dense"), dtype="fp32", device="cpu", max_num_seqs=2))
+    expected = engine.generate(["Hello world!", "The quick"], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [a["token_ids"] for a in answers] == [s.completion_token_ids for s in expected]
+    assert answers[0]["kernels"]["fused_moe"] == {"impl": "eager"} and len(answers[0]["logprobs"]) == 6
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_missing_model_dir_is_one_line(capsys, tmp_path, command):
+    extra = ["--prompt", "x"] if command == "generate" else []
+    code, out, err = run(capsys, "engine", command, "--model-dir", str(tmp_path / "absent"), *extra)
+    assert code == 2 and err.strip() == f"infersmith: no such model directory: {tmp_path / 'absent'}"
+
+
+def test_malformed_model_dir_and_kernels_file_are_one_line(capsys, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3",')
+    code, _, err = run(capsys, "engine", "generate", "--model-dir", str(tmp_path), "--prompt", "x")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not valid JSON" in err
+    kernels = tmp_path / "k.json"
+    kernels.write_text('{"rmsnorm": {"impl": "magic"}}')
+    code, _, err = run(capsys, "engine", "serve", "--model-dir", str(checkpoint("dense")),
+                       "--kernels", str(kernels))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "expected {\"impl\"" in err
