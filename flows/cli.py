@@ -65,6 +65,15 @@ def _target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int 
         raise UsageError(f"bad target: {where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
+def _pool(path: str | None):
+    from gpu_pool.pool_file import PoolFileError, load_pool
+
+    try:
+        return load_pool(path)
+    except PoolFileError as e:
+        raise UsageError(f"bad pool file: {e}") from None
+
+
 def _op(name: str):
     from engine_templates.ops import OPS
 
@@ -100,7 +109,7 @@ def cmd_evaluate(args) -> int:
         raise UsageError(f"{path}: {problem}")
     from flows.evaluate_op import evaluate_candidate
 
-    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name)
+    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=_pool(args.pool))
     verdict = result["verdict"]
     if args.json:
         print(json.dumps(result, indent=1))
@@ -131,7 +140,8 @@ def cmd_optimize(args) -> int:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     from flows.optimize_op import optimize_op
 
-    optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed)
+    optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
+                pool=_pool(args.pool))
     return 0
 
 
@@ -172,6 +182,39 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_pool_check(args) -> int:
+    from flows.pipeline import jobs_for
+    from flows.target import Target
+    from gpu_pool.check import check_host, table
+
+    pool = _pool(args.pool)
+    # The bundle check compiles the first op's default template point on the tiny preset.
+    from engine_templates.ops import OPS
+
+    op = next(iter(OPS.values()))
+    template = next(iter(op.templates.values()))
+    probe_target = Target(model="tiny", dtype="fp32")
+
+    def job_for(slot):
+        from harness.job import Candidate
+
+        cand = Candidate(op=op.name, kind="template", template=template.name, point=dict(template.default),
+                         origin="pool-check")
+        return jobs_for(cand, probe_target, slot)["compile"]
+
+    reports = [check_host(h, job_for, args.stage_timeout) for h in pool.hosts]
+    print(table(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
+def cmd_pool_release(args) -> int:
+    from gpu_pool.leases import release_all
+
+    freed = release_all(_pool(args.pool))
+    print(f"released {', '.join(freed)}" if freed else "no slot of the pool was held")
+    return 0
+
+
 def cmd_engine(args) -> int:
     """`infersmith engine generate|serve` (engine_templates/engine/cli.py); a bad model
     directory or kernels file is a usage error."""
@@ -192,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--op", required=True)
     e.add_argument("--candidate", required=True, help="Python file defining a function named after the op")
     e.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    e.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     _add_target_options(e)
     e.set_defaults(fn=cmd_evaluate)
 
@@ -203,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
     o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
+    o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     _add_target_options(o)
     o.set_defaults(fn=cmd_optimize)
 
@@ -216,6 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--op", help="only this op (default: every op)")
     r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
     r.set_defaults(fn=cmd_report)
+
+    pl = sub.add_parser("pool", help="the GPU hosts of a pool.yaml: check them, free their leases")
+    pool_sub = pl.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
+    pc = pool_sub.add_parser("check", help="connect to every host: GPUs, driver, torch, triton, does the bundle run")
+    pc.add_argument("--pool", help="pool.yaml (default: this machine)")
+    pc.add_argument("--stage-timeout", type=float, default=300.0, help="seconds the bundle check may run")
+    pc.set_defaults(fn=cmd_pool_check)
+    pr = pool_sub.add_parser("release", help="free every GPU lease of the pool (after a killed flow, "
+                                             "on a Prefect API without a server)")
+    pr.add_argument("--pool", help="pool.yaml (default: this machine)")
+    pr.set_defaults(fn=cmd_pool_release)
+
     en = sub.add_parser("engine", help="the LLM engine: generate text, or serve an OpenAI-compatible API")
     from engine_templates.engine.cli import add_commands
 

@@ -8,24 +8,27 @@ from prefect import flow
 from flows.optimize_op import scope_for
 from flows.pipeline import evaluate, one_line
 from flows.target import Target
-from gpu_pool.pool import local_pool
+from gpu_pool.leases import ensure_limits
+from gpu_pool.pool import Pool, local_pool
 from harness.job import Candidate
 from tracking.schema import Tracker
 from tracking.store import TrackingConfig
 
 
 @flow(name="evaluate-candidate", log_prints=True)
-def evaluate_candidate(op: str, source: str, target: Target = Target(), name: str = "candidate.py") -> dict:
-    """Compile, check and time one candidate module; returns its verdict."""
+def evaluate_candidate(op: str, source: str, target: Target = Target(), name: str = "candidate.py",
+                       pool: Pool | None = None) -> dict:
+    """Compile, check and time one candidate module on the first free slot; returns its verdict."""
     candidate = Candidate(op=op, kind="free", source=source, origin="cli")
-    pool = local_pool()
+    pool = pool or local_pool()
     scope = scope_for(op, target, pool)
-    slot = pool.slots(target.gpu_class)[0]
+    ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
     parent = tracker.start_parent("evaluation", scope, f"evaluate {name}",
                                   params={"target": target.model_dump(mode="json"), "file": name})
     try:
-        outcome = evaluate(candidate, target, slot, tracker, parent, scope)
+        run_id = tracker.open_candidate(parent, scope, candidate)
+        outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise

@@ -1,6 +1,7 @@
 """One candidate through compile -> check -> microbench, logged as one tracking child run."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,13 +10,15 @@ from prefect.cache_policies import NO_CACHE
 
 from engine_templates.ops import get_op
 from flows.target import Target
+from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
+from gpu_pool.health import HostFault
 from gpu_pool.local import StageRun
 from gpu_pool.pool import Slot
 from harness.job import STAGES, Candidate, Job
 from harness.verdict import PASS, Verdict
 from tasks.stages import STAGE_TASKS
 from tracking.ledger import Charge
-from tracking.schema import RunScope, Tracker
+from tracking.schema import Tracker
 
 
 @dataclass
@@ -57,13 +60,24 @@ def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(candidate: Candidate, target: Target, slot: Slot, tracker: Tracker, parent_id: str,
-             scope: RunScope) -> Outcome:
-    """One candidate through the stage tasks, logged as a child run whatever happens."""
-    run_id = tracker.open_candidate(parent_id, scope, candidate)
-    charge = Charge(host=slot.host.name, gpu=slot.label, gpu_class=slot.host.gpu_class)
+def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker) -> Outcome:
+    """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`;
+    recorded whatever happens. A host fault retries it on another host (see gpu_pool.dispatch)."""
+    charge = Charge()
+
+    def attempt(slot: Slot) -> Verdict:
+        charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
+        start = time.time()
+        try:
+            return run_stages(candidate, target, slot, _stage_task, charge)
+        finally:  # while the lease is held: the audit trail that no two candidates shared the slot
+            charge.held.append((slot.label, start, time.time()))
+
     try:
-        verdict = run_stages(candidate, target, slot, _stage_task, charge)
+        verdict = run_leased(slots, attempt)
+    except HostFault as e:
+        verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
+        verdict.crash("host", f"no host could run it ({charge.attempts} of at most {MAX_ATTEMPTS} tried): {e}")
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")

@@ -61,25 +61,29 @@ class LocalExecutor:
             finally:  # a timeout, a cancelled flow, Ctrl-C: never leave the group running
                 _kill_group(proc)
         held = time.monotonic() - t0
-        verdict = self._read_verdict(job, out, rc, timeout_s, scratch)
+        text = out.read_text() if rc is not None and out.exists() else None
+        verdict = verdict_from(job, text, rc, timeout_s, _tail(scratch / "stderr.log"))
         shutil.rmtree(scratch, ignore_errors=True)
         return StageRun(verdict, slot, held)
 
-    @staticmethod
-    def _read_verdict(job: Job, out: Path, rc: int | None, timeout_s: float, scratch: Path) -> Verdict:
-        log = _tail(scratch / "stderr.log")
-        if rc is not None and out.exists():
-            v = Verdict.from_json(out.read_text())
-            v.log_tail = v.log_tail or log
-            return v
-        v = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage], log_tail=log)
-        if rc is None:
-            v.crash("time_limit", f"{job.stage} stage ran past its {timeout_s:g} s limit and was killed")
-        else:
-            how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
-            v.crash("process", f"the {job.stage} process died ({how}) without a verdict; "
-                               f"last log line: {log.strip().splitlines()[-1] if log.strip() else '(none)'}")
+
+def verdict_from(job: Job, verdict_json: str | None, rc: int | None, timeout_s: float, log: str) -> Verdict:
+    """The stage's verdict: the harness's own, or a crash saying how its process ended.
+
+    rc is None when the time limit killed the process; verdict_json is None when none was written.
+    """
+    if rc is not None and verdict_json is not None:
+        v = Verdict.from_json(verdict_json)
+        v.log_tail = v.log_tail or log
         return v
+    v = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage], log_tail=log)
+    if rc is None:
+        v.crash("time_limit", f"{job.stage} stage ran past its {timeout_s:g} s limit and was killed")
+    else:
+        how = f"killed by signal {-rc}" if rc < 0 else f"exit code {rc}"
+        v.crash("process", f"the {job.stage} process died ({how}) without a verdict; "
+                           f"last log line: {log.strip().splitlines()[-1] if log.strip() else '(none)'}")
+    return v
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -5,32 +5,63 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                      field_validator, model_validator)
 
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
 
 
 class Host(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """One machine of the pool. SSH settings matter only when `address` is not "local"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     address: str = Field("local", description='"local" for this machine, else a hostname or IP')
     port: int = Field(22, ge=1, le=65535)
-    user: str | None = None
-    key_file: Path | None = None
+    user: str | None = Field(None, description="SSH user; default: the local user name")
+    key_file: Path | None = Field(None, description="private key; unset: the SSH agent and ~/.ssh keys")
+    known_hosts: Path | None = Field(None, description="known_hosts file; default ~/.ssh/known_hosts")
+    trust_unknown_host_key: bool = Field(
+        False, description="accept a host key that known_hosts lacks (first contact); a changed key is always refused")
+    connect_timeout_s: PositiveFloat = 10.0
     gpus: list[NonNegativeInt] = Field(default_factory=list, description="GPU indices; empty: CPU only")
     gpu_class: GPUClassName = "cpu"
     usd_per_gpu_hour: NonNegativeFloat = 0.0
-    python: str = "python3"
-    workdir: str = "~/.infersmith-worker"
+    python: str = Field("python3", description="the Python (with torch and triton) that runs the harness")
+    workdir: str = Field("~/.infersmith-worker", description="where bundles and scratch dirs live")
 
     @property
     def is_local(self) -> bool:
         return self.address == "local"
 
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, v: list[int]) -> list[int]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"GPU indices repeat: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_means_no_gpus(self) -> Host:
+        if self.gpus and self.gpu_class == "cpu":
+            raise ValueError("lists GPUs but gpu_class is cpu; name the class (h100, h200, b200, ...)")
+        if not self.gpus and self.gpu_class != "cpu":
+            raise ValueError(f"gpu_class is {self.gpu_class} but no GPU indices are listed (gpus: [0, 1, ...])")
+        return self
+
 
 class Pool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
     hosts: list[Host] = Field(min_length=1)
+
+    @field_validator("hosts")
+    @classmethod
+    def _unique_names(cls, hosts: list[Host]) -> list[Host]:
+        names = [h.name for h in hosts]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"host names must be unique: {', '.join(dupes)} repeats")
+        return hosts
 
     def slots(self, gpu_class: str = "any") -> list[Slot]:
         """One slot per GPU (or one per CPU-only host), filtered by GPU class."""
@@ -50,6 +81,11 @@ class Slot:
     @property
     def label(self) -> str:
         return f"{self.host.name}:{'cpu' if self.gpu is None else f'gpu{self.gpu}'}"
+
+    @property
+    def lease_name(self) -> str:
+        """The Prefect global concurrency limit (limit 1) that guards this GPU."""
+        return f"infersmith-gpu-{self.host.name}-{'cpu' if self.gpu is None else self.gpu}"
 
     @property
     def usd_per_second(self) -> float:

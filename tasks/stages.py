@@ -4,10 +4,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gpu_pool.executors import executor_for
-from gpu_pool.local import StageRun
-from gpu_pool.pool import Slot
-from harness.job import Candidate, Job
+from gpu_pool.executors import run_stage
+from harness.job import Candidate
 from proposers.base import Trial
 from engine_templates.ops import get_op
 
@@ -20,13 +18,10 @@ def propose(proposer: str, op: str, template: str, seed: int, history: list[Tria
     return make_proposer(proposer, op, get_op(op).templates[template], seed).propose(history, n)
 
 
-def _run_stage(job: Job, slot: Slot, timeout_s: float) -> StageRun:
-    return executor_for(slot).run(job, slot, timeout_s)
-
-
 # Evaluation is never cached: a re-run must re-measure. Retries belong to the pool (a host
-# that fails is a different fault from a candidate that fails), so there are none here.
-compile_stage = task(name="compile", cache_policy=NO_CACHE)(_run_stage)
-check_stage = task(name="check", cache_policy=NO_CACHE)(_run_stage)
-microbench_stage = task(name="microbench", cache_policy=NO_CACHE)(_run_stage)
+# that fails is a different fault from a candidate that fails: gpu_pool.dispatch), so there
+# are none here.
+compile_stage = task(name="compile", cache_policy=NO_CACHE)(run_stage)
+check_stage = task(name="check", cache_policy=NO_CACHE)(run_stage)
+microbench_stage = task(name="microbench", cache_policy=NO_CACHE)(run_stage)
 STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microbench_stage}

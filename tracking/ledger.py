@@ -9,10 +9,18 @@ class Charge:
     host: str = ""
     gpu: str = ""  # slot label, e.g. "local:gpu0"
     gpu_class: str = ""
-    gpu_seconds: float = 0.0
+    gpu_index: int | None = None  # None: a CPU-only host
+    attempts: int = 0  # hosts tried: more than one after a host fault
+    gpu_seconds: float = 0.0  # on every host tried: a faulted host's time was held too
     usd: float = 0.0
     proposer_tokens: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    held: list[tuple[str, float, float]] = field(default_factory=list)  # (slot, from, to) epoch s, per attempt
+
+    def place(self, host: str, gpu: str, gpu_class: str, gpu_index: int | None) -> None:
+        """Where the next attempt runs; the charge keeps adding up across attempts."""
+        self.host, self.gpu, self.gpu_class, self.gpu_index = host, gpu, gpu_class, gpu_index
+        self.attempts += 1
 
     def add_stage(self, stage: str, held_s: float, usd_per_second: float) -> None:
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + held_s
@@ -20,6 +28,7 @@ class Charge:
         self.usd += held_s * usd_per_second
 
     def metrics(self) -> dict[str, float]:
-        m = {"gpu_seconds": self.gpu_seconds, "cost_usd": self.usd, "proposer_tokens": float(self.proposer_tokens)}
+        m = {"gpu_seconds": self.gpu_seconds, "cost_usd": self.usd, "proposer_tokens": float(self.proposer_tokens),
+             "host_attempts": float(self.attempts)}
         m.update({f"stage_seconds/{k}": v for k, v in self.stage_seconds.items()})
         return m

@@ -6,14 +6,18 @@ Child run (infersmith.kind = candidate): the candidate's point or source hash as
 the verdict's metrics (per shape `<shape>/<metric>`, plus score, geomean speed-ups,
 relative error) and the ledger (GPU-seconds, cost) as metrics; status, op, target, model,
 proposer, GPU, failing gate as tags; the candidate's source and its verdict as artifacts.
-A child is created `pending` when proposed, so parallel proposers see it in flight.
+A child is created `pending` when proposed, so parallel proposers see it in flight; a
+pending child whose parent's controller is gone is an orphan, re-queued by the next flow.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -67,7 +71,8 @@ class Tracker:
     def start_parent(self, kind: str, scope: RunScope, name: str, params: dict, tags: dict | None = None) -> str:
         run = self.client.create_run(self.experiment(scope.op), run_name=name, tags={
             f"{T}kind": kind, f"{T}op": scope.op, f"{T}model": scope.model,
-            f"{T}target": scope.target_key, f"{T}gpu_class": scope.gpu_class, **(tags or {})})
+            f"{T}target": scope.target_key, f"{T}gpu_class": scope.gpu_class,
+            f"{T}controller": controller_id(), **(tags or {})})
         _batch(self.client, run.info.run_id, params=_flatten("", params, {}))
         return run.info.run_id
 
@@ -82,14 +87,14 @@ class Tracker:
         self.client.set_terminated(run_id, "FAILED")
 
     # -- children ----------------------------------------------------------------
-    def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate) -> str:
+    def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate, requeued_from: str = "") -> str:
         source_sha = hashlib.sha256((cand.source or "").encode()).hexdigest()[:16] if cand.source else ""
         bare = {k: v for k, v in cand.to_dict().items() if k != "source"}
         tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
                 f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
                 f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(bare, sort_keys=True),
                 f"{T}proposer": cand.origin, f"{T}template": cand.template or "free",
-                f"{T}gpu_class": scope.gpu_class}
+                f"{T}gpu_class": scope.gpu_class} | ({f"{T}requeued_from": requeued_from} if requeued_from else {})
         run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
         params = {"candidate.kind": cand.kind, "candidate.id": cand.id}
         if cand.kind == "template":
@@ -105,6 +110,8 @@ class Tracker:
         failing = verdict.failing_gate
         tags = {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
                 f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
+                f"{T}gpu_index": "" if charge.gpu_index is None else str(charge.gpu_index),
+                f"{T}held": json.dumps(charge.held),
                 f"{T}device": verdict.device.get("name", ""),
                 **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
                 f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
@@ -116,3 +123,57 @@ class Tracker:
             self.client.log_dict(run_id, cand.point, "candidate/point.json")
         self.client.log_text(run_id, verdict.to_json(), "verdict.json")
         self.client.set_terminated(run_id, "FAILED" if verdict.status == CRASH else "FINISHED")
+
+    # -- orphans -----------------------------------------------------------------
+    def orphaned_pending(self, scope: RunScope, template: str) -> list[tuple[str, Candidate]]:
+        """Pending children of this scope whose flow is gone: its parent run ended, or its
+        controller process on this machine died (a killed flow never ends its runs)."""
+        where = " AND ".join(f"tags.`{T}{k}` = '{v}'" for k, v in {
+            "kind": "candidate", "op": scope.op, "target": scope.target_key, "template": template,
+            "gpu_class": scope.gpu_class, "status": PENDING}.items())
+        runs = self.client.search_runs([self.experiment(scope.op)], where, max_results=1000)
+        parents: dict[str, bool] = {}
+        out = []
+        for run in runs:
+            parent_id = run.data.tags.get("mlflow.parentRunId", "")
+            if parent_id not in parents:
+                parent = self.client.get_run(parent_id)
+                parents[parent_id] = (parent.info.status != "RUNNING"
+                                      or not controller_alive(parent.data.tags.get(f"{T}controller", "")))
+            if parents[parent_id]:
+                out.append((run.info.run_id, Candidate.from_dict(json.loads(run.data.tags[f"{T}candidate"]))))
+        return out
+
+    def retire_orphan(self, run_id: str, requeued_to: str) -> None:
+        """The orphan's candidate now runs as `requeued_to`; the orphan leaves the active runs."""
+        self.client.set_tag(run_id, f"{T}requeued_to", requeued_to)
+        self.client.set_terminated(run_id, "KILLED")
+        self.client.delete_run(run_id)
+
+
+def _start_ticks(pid: int) -> str:
+    """The process's start time in clock ticks since boot (Linux), so a reused pid is told apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def controller_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def controller_alive(controller: str) -> bool:
+    """False only when the controller ran on this machine and its process is gone; a
+    controller on another machine is assumed alive (this machine cannot see it)."""
+    host, _, rest = controller.partition(":")
+    pid, _, ticks = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not ticks or _start_ticks(int(pid)) == ticks

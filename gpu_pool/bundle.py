@@ -1,0 +1,54 @@
+"""The worker-side bundle: harness/ and engine_templates/ as one content-addressed tarball.
+
+The same sources always give the same bytes (sorted entries, no timestamps, no owners),
+so the digest names the bundle and a host that already has it is not sent it again.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import tarfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from gpu_pool.local import WORKER_ROOT
+
+WORKER_PACKAGES = ("harness", "engine_templates")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    digest: str  # sha256 of the tarball, first 16 hex digits
+    tarball: bytes
+
+
+def _files(root: Path):
+    for package in WORKER_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                yield path
+
+
+def build_bundle(root: Path = WORKER_ROOT) -> Bundle:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in _files(root):
+            data = path.read_bytes()
+            info = tarfile.TarInfo(str(path.relative_to(root)))
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    tarball = gzip.compress(raw.getvalue(), mtime=0)
+    return Bundle(hashlib.sha256(tarball).hexdigest()[:16], tarball)
+
+
+@lru_cache(maxsize=1)
+def _cached(stamp: tuple) -> Bundle:
+    return build_bundle()
+
+
+def current_bundle() -> Bundle:
+    """The bundle of the sources as they are now; rebuilt only when a file changed."""
+    stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in _files(WORKER_ROOT))
+    return _cached(stamp)

@@ -1,0 +1,108 @@
+"""`infersmith pool check`: reach every host, report its GPUs and software, run the bundle there."""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from gpu_pool.executors import run_stage
+from gpu_pool.health import HostFault
+from gpu_pool.pool import Host, Pool, Slot
+from gpu_pool.ssh import connect, run_command
+from harness.job import Job
+from harness.verdict import PASS
+
+# Runs on the host with its own Python: what it has, as one JSON line. A missing package
+# is a value in the report, not an error of the check.
+PROBE = r"""
+import json, subprocess, sys
+info = {"python": sys.version.split()[0], "gpus": []}
+try:
+    import torch
+    info["torch"] = torch.__version__
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        info["gpus"].append({"name": torch.cuda.get_device_name(i), "free_gib": free / 2**30})
+except ImportError:
+    info["torch"] = "missing"
+try:
+    import triton
+    info["triton"] = triton.__version__
+except ImportError:
+    info["triton"] = "missing"
+try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30).stdout
+    info["driver"] = out.splitlines()[0].strip() if out.strip() else "-"
+except (OSError, subprocess.TimeoutExpired):
+    info["driver"] = "-"
+print(json.dumps(info))
+"""
+
+
+@dataclass
+class HostReport:
+    host: Host
+    reachable: bool
+    detail: str = ""  # why not, when unreachable
+    info: dict | None = None
+    bundle: str = "-"
+
+    @property
+    def ok(self) -> bool:
+        return self.reachable and self.bundle.startswith("ok")
+
+    def row(self) -> list[str]:
+        h, i = self.host, self.info or {}
+        where = "local" if h.is_local else f"{h.user + '@' if h.user else ''}{h.address}:{h.port}"
+        gpus = ", ".join(f"{g['name']} ({g['free_gib']:.0f} GiB free)" for g in i.get("gpus", [])) or "none (CPU)"
+        status = "ok" if self.reachable else f"unreachable: {self.detail}"
+        return [h.name, where, h.gpu_class, status, gpus if self.reachable else "-", i.get("driver", "-"),
+                i.get("torch", "-"), i.get("triton", "-"), self.bundle]
+
+
+def probe(host: Host) -> dict:
+    if host.is_local:
+        try:
+            out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise HostFault(host, "the probe ran past 120 s") from None
+        rc, stdout, stderr = out.returncode, out.stdout, out.stderr
+    else:
+        client = connect(host)
+        try:
+            rc, stdout, stderr = run_command(client, host, f"{host.python} -c {shlex.quote(PROBE)}", 120)
+        finally:
+            client.close()
+    if rc != 0:
+        raise HostFault(host, f"{host.python} failed: {(stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def check_host(host: Host, job_for: Callable[[Slot], Job], stage_timeout_s: float) -> HostReport:
+    try:
+        info = probe(host)
+    except HostFault as e:
+        return HostReport(host, False, e.reason)
+    slot = Pool(hosts=[host]).slots()[0]
+    t0 = time.monotonic()
+    try:
+        run = run_stage(job_for(slot), slot, stage_timeout_s)
+    except HostFault as e:
+        return HostReport(host, True, info=info, bundle=f"host fault: {e.reason}")
+    v = run.verdict
+    gate = v.failing_gate
+    bundle = (f"ok ({v.stages[0] if v.stages else 'compile'} {time.monotonic() - t0:.0f} s)" if v.status == PASS
+              else f"{v.status}: [{gate.name}] {gate.detail}" if gate else v.status)
+    return HostReport(host, True, info=info, bundle=bundle)
+
+
+def table(reports: list[HostReport]) -> str:
+    head = ["host", "address", "class", "status", "GPUs", "driver", "torch", "triton", "bundle"]
+    rows = [head] + [r.row() for r in reports]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,99 @@
+"""Leases: one Prefect global concurrency limit of 1 per GPU, so no two candidates share one.
+
+Any flow on any machine that talks to the same Prefect server sees the same limits. A lease
+is held for LEASE_S seconds and renewed by Prefect while its holder lives; when the holder
+dies, the server's repossessor service revokes the lease once it expires. That needs a
+Prefect server with its services running (`prefect server start`): the ephemeral API and
+Prefect's test server run no services, so there a killed process's GPU stays held until
+`infersmith pool release`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Callable, Iterator
+
+import httpx
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+from gpu_pool.pool import Pool, Slot
+
+LEASE_S = 60.0  # a dead holder's GPU is freed this long (plus a repossessor pass) after it died
+WAIT_POLL_S = 0.5
+
+
+def ensure_limits(pool: Pool) -> None:
+    """One limit of 1 per slot of the pool; existing limits are kept, with their holders."""
+    with get_client(sync_client=True) as client:
+        for slot in pool.slots():
+            try:
+                limit = client.read_global_concurrency_limit_by_name(slot.lease_name)
+            except ObjectNotFound:
+                try:
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=slot.lease_name, limit=1))
+                except ObjectAlreadyExists:  # another flow created it a moment ago
+                    pass
+                continue
+            if limit.limit != 1 or not limit.active:
+                client.update_global_concurrency_limit(slot.lease_name,
+                                                       GlobalConcurrencyLimitUpdate(limit=1, active=True))
+
+
+def release_all(pool: Pool) -> list[str]:
+    """Free every slot of the pool, held or not; the slots that were held. Only for dead holders."""
+    freed = []
+    with get_client(sync_client=True) as client:
+        for slot in pool.slots():
+            try:
+                limit = client.read_global_concurrency_limit_by_name(slot.lease_name)
+            except ObjectNotFound:
+                continue
+            if limit.active_slots:
+                client.update_global_concurrency_limit(slot.lease_name, GlobalConcurrencyLimitUpdate(active_slots=0))
+                freed.append(slot.label)
+    return freed
+
+
+def free_slots(slots: list[Slot]) -> list[Slot]:
+    """The slots no one holds a lease on right now (a snapshot: taking one may still race)."""
+    if not slots:
+        return []
+    with get_client(sync_client=True) as client:
+        return [s for s in slots if client.read_global_concurrency_limit_by_name(s.lease_name).active_slots == 0]
+
+
+def _locked(e: Exception) -> bool:
+    cause = e.__cause__
+    return isinstance(cause, httpx.HTTPStatusError) and cause.response.status_code == 423
+
+
+@contextmanager
+def try_lease(slot: Slot) -> Iterator[bool]:
+    """Hold the slot's lease if it is free right now: yields True while held, False if taken."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(concurrency(slot.lease_name, occupy=1, max_retries=0, strict=True,
+                                            lease_duration=LEASE_S))
+            held = True
+        except Exception as e:  # prefect's ConcurrencySlotAcquisitionError; a 423 means someone holds it
+            if not _locked(e):
+                raise
+            held = False
+        yield held
+
+
+@contextmanager
+def lease_any(choices: Callable[[], list[Slot]]) -> Iterator[Slot]:
+    """Hold a free slot of `choices()`, waiting until one frees. Only slots that look free are
+    tried (a refused try is logged as an error by Prefect), and `choices()` is asked again
+    once the lease is held: a host benched meanwhile is let go."""
+    while True:
+        for slot in free_slots(choices()):
+            with try_lease(slot) as held:
+                if held and slot in choices():
+                    yield slot
+                    return
+        time.sleep(WAIT_POLL_S)

@@ -1,0 +1,191 @@
+"""Run one stage on a pool host over SSH: ship the bundle, run the harness, fetch the verdict.
+
+Remote layout under the host's workdir: `bundles/<digest>/` (harness/ and engine_templates/,
+unpacked once per digest) and `runs/<candidate>-<stage>-<nonce>/` (job.json, verdict.json,
+logs, and the stage's session id, removed after the stage).
+"""
+from __future__ import annotations
+
+import getpass
+import io
+import shlex
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import paramiko
+
+from gpu_pool.bundle import current_bundle
+from gpu_pool.health import HostFault
+from gpu_pool.local import StageRun, verdict_from
+from gpu_pool.pool import Host, Slot
+from harness.job import Job
+
+# The host kills the stage itself this long after the controller's limit, in case the
+# controller died and could not.
+REMOTE_GRACE_S = 30.0
+POLL_S = 0.1
+
+
+def connect(host: Host) -> paramiko.SSHClient:
+    """An authenticated connection whose host key known_hosts vouches for, or a HostFault."""
+    client = paramiko.SSHClient()
+    known = host.known_hosts or Path("~/.ssh/known_hosts").expanduser()
+    if known.exists():
+        client.load_host_keys(str(known))  # trusting a new key records it in this file
+    elif host.trust_unknown_host_key:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        known.touch(mode=0o600)
+        client.load_host_keys(str(known))
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy() if host.trust_unknown_host_key
+                                       else paramiko.RejectPolicy())
+    key = str(host.key_file) if host.key_file else None
+    try:
+        client.connect(host.address, port=host.port, username=host.user or getpass.getuser(),
+                       key_filename=key, allow_agent=key is None, look_for_keys=key is None,
+                       timeout=host.connect_timeout_s, banner_timeout=host.connect_timeout_s,
+                       auth_timeout=host.connect_timeout_s)
+    except paramiko.BadHostKeyException:
+        client.close()
+        raise HostFault(host, f"host key does not match {known}: refused (possible impersonation)") from None
+    except paramiko.AuthenticationException:
+        client.close()
+        raise HostFault(host, "authentication failed") from None
+    except paramiko.SSHException as e:
+        client.close()
+        if "not found in known_hosts" in str(e):
+            raise HostFault(host, f"host key unknown to {known}: refused "
+                                  "(add it with ssh-keyscan, or set trust_unknown_host_key)") from None
+        raise HostFault(host, f"SSH error: {e}") from None
+    except (OSError, EOFError) as e:  # refused, unreachable, timed out, reset
+        client.close()
+        raise HostFault(host, f"cannot connect: {getattr(e, 'strerror', None) or e}") from None
+    client.get_transport().set_keepalive(5)
+    return client
+
+
+def run_command(client: paramiko.SSHClient, host: Host, command: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of a short command; a HostFault if the connection drops."""
+    try:
+        _, out, err = client.exec_command(command, timeout=timeout_s)
+        rc = out.channel.recv_exit_status()
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    except (paramiko.SSHException, OSError, EOFError, socket.timeout) as e:
+        raise HostFault(host, f"connection lost running a command: {e}") from None
+    if rc == -1:
+        raise HostFault(host, "connection lost running a command")
+    return rc, stdout, stderr
+
+
+def workdir_of(client: paramiko.SSHClient, host: Host) -> str:
+    """The host's workdir as an absolute path, created if missing."""
+    wd = host.workdir
+    shell_wd = '"$HOME"/' + shlex.quote(wd[2:]) if wd.startswith("~/") else shlex.quote(wd)
+    rc, out, err = run_command(client, host, f"mkdir -p {shell_wd} && cd {shell_wd} && pwd")
+    if rc != 0:
+        raise HostFault(host, f"cannot create workdir {wd}: {err.strip()}")
+    return out.strip()
+
+
+def ensure_bundle(client: paramiko.SSHClient, host: Host, workdir: str) -> tuple[str, bool]:
+    """The remote bundle directory for the current sources, and whether it had to be sent."""
+    bundle = current_bundle()
+    target = f"{workdir}/bundles/{bundle.digest}"
+    if run_command(client, host, f"test -d {shlex.quote(target)}")[0] == 0:
+        return target, False
+    nonce = uuid.uuid4().hex[:8]
+    tmp_tar, tmp_dir = f"{workdir}/bundles/.{bundle.digest}-{nonce}.tgz", f"{workdir}/bundles/.{bundle.digest}-{nonce}"
+    run_command(client, host, f"mkdir -p {shlex.quote(tmp_dir)}")
+    with client.open_sftp() as sftp:
+        sftp.putfo(io.BytesIO(bundle.tarball), tmp_tar)
+    # Unpacked beside, then renamed into place: a concurrent sender or a reader never sees half a bundle.
+    q = shlex.quote
+    rc, _, err = run_command(client, host, f"tar xzf {q(tmp_tar)} -C {q(tmp_dir)} && rm -f {q(tmp_tar)} && "
+                                           f"(mv -T {q(tmp_dir)} {q(target)} 2>/dev/null || rm -rf {q(tmp_dir)}) "
+                                           f"&& test -d {q(target)}")
+    if rc != 0:
+        raise HostFault(host, f"cannot unpack the worker bundle: {err.strip()}")
+    return target, True
+
+
+def worker_env(slot: Slot, bundle_dir: str) -> dict[str, str]:
+    env = {"PYTHONPATH": bundle_dir, "PYTHONUNBUFFERED": "1"}
+    if slot.gpu is None:  # a CPU-only host: Triton's interpreter, like the local executor
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot.gpu)
+    return env
+
+
+class SSHExecutor:
+    """Each stage is a fresh `python -m harness` process group on the host, under a time limit."""
+
+    def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
+        host = slot.host
+        client = connect(host)
+        try:
+            workdir = workdir_of(client, host)
+            bundle_dir, _ = ensure_bundle(client, host, workdir)
+            scratch = f"{workdir}/runs/{job.candidate.id}-{job.stage}-{uuid.uuid4().hex[:8]}"
+            run_command(client, host, f"mkdir -p {shlex.quote(scratch)}")
+            with client.open_sftp() as sftp:
+                sftp.putfo(io.BytesIO(job.to_json().encode()), f"{scratch}/job.json")
+            t0 = time.monotonic()
+            rc = self._run_harness(client, slot, scratch, bundle_dir, timeout_s)
+            held = time.monotonic() - t0
+            verdict_json, log = self._fetch(client, host, scratch, rc)
+        finally:
+            client.close()
+        return StageRun(verdict_from(job, verdict_json, rc, timeout_s, log), slot, held)
+
+    def _run_harness(self, client: paramiko.SSHClient, slot: Slot, scratch: str, bundle_dir: str,
+                     timeout_s: float) -> int | None:
+        host, q = slot.host, shlex.quote
+        env = " ".join(f"{k}={q(v)}" for k, v in worker_env(slot, bundle_dir).items())
+        inner = (f"echo $$ > sid; env {env} timeout -s KILL {timeout_s + REMOTE_GRACE_S:.0f} "
+                 f"{host.python} -m harness job.json --out verdict.json >stdout.log 2>stderr.log; exit $?")
+        # setsid forks when its caller leads a process group (an SSH session shell does): -w waits.
+        command = f"cd {q(scratch)} && exec setsid -w sh -c {q(inner)}"
+        transport = client.get_transport()
+        deadline = time.monotonic() + timeout_s
+        try:
+            chan = transport.open_session()
+            chan.exec_command(command)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostFault(host, f"connection lost starting the harness: {e}") from None
+        finished = False
+        try:
+            while not chan.exit_status_ready():
+                if not transport.is_active():
+                    break
+                if time.monotonic() > deadline:
+                    return None
+                chan.status_event.wait(POLL_S)
+            rc = chan.recv_exit_status() if chan.exit_status_ready() else -1
+            if rc == -1:  # the channel closed with no exit status: the connection, not the process
+                raise HostFault(host, "connection dropped while the harness ran")
+            finished = True
+            return -(rc - 128) if rc > 128 else rc  # the shell's 128+N: killed by signal N
+        finally:  # a timeout, a cancelled flow, Ctrl-C: never leave the remote group running
+            if not finished and transport.is_active():
+                # The whole session: timeout(1) moves itself and the harness into a group of their own.
+                run_command(client, host, f"pkill -KILL -s $(cat {q(scratch)}/sid) 2>/dev/null; true", 15)
+
+    @staticmethod
+    def _fetch(client: paramiko.SSHClient, host: Host, scratch: str, rc: int | None) -> tuple[str | None, str]:
+        """The verdict (when the harness ended on its own and wrote one) and the log's tail."""
+        def read(name: str) -> str | None:
+            try:
+                with sftp.open(f"{scratch}/{name}") as f:
+                    return f.read().decode(errors="replace")
+            except FileNotFoundError:
+                return None
+        try:
+            with client.open_sftp() as sftp:
+                verdict = read("verdict.json") if rc is not None else None
+                log = (read("stderr.log") or "")[-4000:]
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostFault(host, f"connection lost fetching the verdict: {e}") from None
+        run_command(client, host, f"rm -rf {shlex.quote(scratch)}")
+        return verdict, log
