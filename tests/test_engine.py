@@ -172,3 +172,19 @@ def test_prompt_longer_than_the_model_is_refused():
     eng = engine("dense", max_model_len=16)
     with pytest.raises(ValueError, match="exceeds the model length of 16"):
         eng.add_request(PROMPTS[2], GREEDY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_cuda_graph_decode_equals_eager_decode_on_a_gpu(kind):
+    settings = dict(model_dir=checkpoint(kind), dtype="fp32", device="cuda", max_num_seqs=8,
+                    max_model_len=256, block_size=16, cuda_graph_batch_sizes=(1, 2, 4, 8))
+    graphs = LLMEngine(EngineConfig(**settings))
+    eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
+    # the eager MoE is capturable only while tokens * top_k <= experts (2 * 4 <= 8)
+    assert graphs.runner.graphs.sizes == ([1, 2, 4, 8] if kind == "dense" else [1, 2, 4])
+    assert eager.runner.graphs is None
+    for a, b in zip(graphs.generate(PROMPTS, GREEDY), eager.generate(PROMPTS, GREEDY)):
+        assert a.completion_token_ids == b.completion_token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

@@ -20,7 +20,7 @@ class DecodeGraphs:
         self.runner = runner
         model, config = runner.model, runner.config
         sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
-        if cfg.is_moe and model.k.fused_moe.__name__ == "eager":
+        if cfg.is_moe and model.k.choices["fused_moe"]["impl"] == "eager":
             # The eager MoE syncs with the host once tokens * top_k exceed the experts.
             sizes = [b for b in sizes if b * cfg.experts_per_token <= cfg.experts]
         self.sizes = sorted(sizes)
