@@ -215,6 +215,32 @@ def cmd_pool_release(args) -> int:
     return 0
 
 
+def cmd_gauntlet(args) -> int:
+    from flows.gauntlet import run_gauntlet, table
+    from flows.target import Target
+    from harness.gauntlet import load_cases
+
+    if args.op:
+        _op(args.op)
+    cases = load_cases(args.op)
+    if not cases:
+        raise UsageError(f"the gauntlet has no cases for {args.op}")
+    slots = _pool(args.pool).slots(args.gpu_class)
+    if not slots:
+        raise UsageError(f"the pool has no slot of class {args.gpu_class}")
+    slot = slots[0]
+    target = Target(model=args.model, budget={"stage_timeout_s": args.stage_timeout})
+    print(f"gauntlet: {len(cases)} cases on {slot.label}", file=sys.stderr)
+
+    def progress(row):
+        print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got}",
+              file=sys.stderr)
+
+    rows = run_gauntlet(cases, target, slot, progress)
+    print(table(rows, on_gpu=slot.gpu is not None))
+    return 0 if all(r.ok for r in rows) else 1
+
+
 def cmd_engine(args) -> int:
     """`infersmith engine generate|serve` (engine_templates/engine/cli.py); a bad model
     directory or kernels file is a usage error."""
@@ -261,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--op", help="only this op (default: every op)")
     r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
     r.set_defaults(fn=cmd_report)
+
+    g = sub.add_parser("gauntlet", help="run the red-team and honest suites; print a markdown table")
+    g.add_argument("--op", help="only this op's cases (default: every op)")
+    g.add_argument("--pool", help="pool.yaml (default: this machine); runs on the first slot")
+    g.add_argument("--gpu-class", default="any", help="use a slot of this class (any, cpu, h100, h200, b200)")
+    g.add_argument("--model", default="tiny", help="model preset for the shapes (default tiny)")
+    g.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one stage may run")
+    g.set_defaults(fn=cmd_gauntlet)
 
     pl = sub.add_parser("pool", help="the GPU hosts of a pool.yaml: check them, free their leases")
     pool_sub = pl.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)

@@ -1,8 +1,9 @@
 """`python -m harness JOB.json --out VERDICT.json`: run one stage of one candidate.
 
-The controller runs this in its own process under a time limit; if the process dies or
-is killed, the controller records a `crash`. Anything that goes wrong inside is recorded
-in the verdict, never swallowed.
+This process is the supervisor (harness/supervisor.py); the candidate runs in a sandbox
+process it starts. The controller runs this under a time limit; if it dies or is killed,
+the controller records a `crash`. Anything that goes wrong inside is recorded in the
+verdict, never swallowed.
 """
 from __future__ import annotations
 
@@ -21,17 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     job = Job.from_json(args.job.read_text())
-    workdir = args.job.parent
+    scratch = args.job.resolve().parent
+    out = args.out.resolve()
     try:
-        from harness.stages import run
+        from harness.supervisor import supervise
 
-        verdict = run(job, workdir)
+        verdict = supervise(job, scratch)
     except Exception:
         verdict = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage])
         verdict.crash("harness", traceback.format_exc(limit=-8))
-    tmp = args.out.with_suffix(".tmp")
+    tmp = out.with_suffix(".tmp")  # written only now: the sandbox and all it started are dead
     tmp.write_text(verdict.to_json())
-    tmp.replace(args.out)
+    tmp.replace(out)
     return 0
 
 

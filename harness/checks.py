@@ -1,14 +1,19 @@
-"""Correctness of one call: output form, finiteness, accuracy against the oracle, inputs intact.
+"""Correctness of one call, split across the two processes of a stage.
 
-The candidate runs on its arguments first; the float64 reference is computed afterwards,
-from a private copy the candidate never saw, so there is nothing to read or to match.
-Uninitialized memory is filled with NaN while checks run, so an output left unwritten
-shows up as NaN instead of as whatever a previous call left there.
+In the sandbox (`run_call`): the candidate runs on its arguments with uninitialized memory
+NaN-poisoned (an unwritten output reads as NaN, not as what a previous call left there);
+then the output's form (an exact torch.Tensor with its own contiguous storage, on the right
+device, in the right dtype), the inputs (bit-identical to a private copy), and threads (none
+still running after the call returns).
+
+In the supervisor (`judge`): the output's values against the float64 oracle, computed in a
+process the candidate never ran in, from inputs redrawn there from the same seed.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +26,7 @@ class CallResult:
     gate: str  # the gate this call failed, or "" when it passed
     detail: str
     rel_error: float = 0.0
+    outputs: tuple[torch.Tensor, ...] = field(default=(), repr=False)
 
 
 @contextmanager
@@ -38,51 +44,77 @@ def poisoned_allocations():
         torch.use_deterministic_algorithms(det, warn_only=det_warn)
 
 
-def _tensors(args):
-    return [a for a in args if isinstance(a, torch.Tensor)]
-
-
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.to(out.device, torch.float64)
+    out = out.to(ref.device, torch.float64)
+    ref = ref.to(torch.float64)
     denom = ref.norm().item()
-    diff = (out.to(torch.float64) - ref).norm().item()
+    diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff
 
 
-def check_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str, rtol: float) -> CallResult:
+def run_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str) -> CallResult:
+    """Sandbox side: call once and check everything but the values."""
     private = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    threads_before = set(threading.enumerate())
     with poisoned_allocations():
         out = fn(*args)
     synchronize(device)
+    left_running = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    if left_running:
+        return CallResult(False, "hidden_work", f"{len(left_running)} thread(s) started by the call still run "
+                                                f"after it returned ({', '.join(left_running[:3])}): work the "
+                                                "timer would not see")
     outs = out if isinstance(out, tuple) else (out,)
     if len(outs) != op.n_outputs:
         return CallResult(False, "output_form", f"returned {len(outs)} outputs, expected {op.n_outputs}")
-
-    refs = op.reference(*private)
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    worst = 0.0
-    for i, (o, r) in enumerate(zip(outs, refs)):
+    for i, o in enumerate(outs):
         where = f"output {i}" if op.n_outputs > 1 else "output"
         if type(o) is not torch.Tensor:
-            return CallResult(False, "output_form", f"{where} is {type(o).__name__}, not a plain torch.Tensor")
-        if o.dtype != out_dtype or tuple(o.shape) != tuple(r.shape) or o.device.type != device:
-            return CallResult(False, "output_form",
-                              f"{where} is {o.dtype} {tuple(o.shape)} on {o.device.type}; "
-                              f"expected {out_dtype} {tuple(r.shape)} on {device}")
+            return CallResult(False, "output_form", f"{where} is {type(o).__name__}, not a plain torch.Tensor "
+                                                    "(a subclass or lazy object could compute when inspected)")
+        if o.dtype != out_dtype or o.device.type != device:
+            return CallResult(False, "output_form", f"{where} is {o.dtype} on {o.device.type}; "
+                                                    f"expected {out_dtype} on {device}")
         if not o.is_contiguous():
             return CallResult(False, "output_form", f"{where} is not contiguous")
-        for a in _tensors(args):
-            if o.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
-                return CallResult(False, "output_form", f"{where} shares storage with an input")
+        for a in args:
+            if isinstance(a, torch.Tensor) and o.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+                return CallResult(False, "output_form", f"{where} shares storage with an input (a view, "
+                                                        "not a result)")
+    for i, (a, p) in enumerate(zip(args, private)):
+        if isinstance(a, torch.Tensor) and not torch.equal(a, p):
+            return CallResult(False, "inputs_unchanged", f"argument {i} ({op.arg_names[i]}) was modified "
+                                                         "by the candidate")
+    return CallResult(True, "", "", outputs=tuple(outs))
+
+
+def judge(op, outs: list[torch.Tensor], args: tuple, rtol: float) -> CallResult:
+    """Supervisor side: the received outputs against the oracle on `args` (this process's own draw)."""
+    refs = op.reference(*args)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    if len(outs) != len(refs):
+        return CallResult(False, "output_form", f"sent {len(outs)} outputs, expected {len(refs)}")
+    worst = 0.0
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        where = f"output {i}" if len(refs) > 1 else "output"
+        if tuple(o.shape) != tuple(r.shape):
+            return CallResult(False, "output_form", f"{where} has shape {tuple(o.shape)}; expected {tuple(r.shape)}")
         n_bad = (~torch.isfinite(o)).sum().item()
         if n_bad:
             return CallResult(False, "finite", f"{where} has {n_bad} of {o.numel()} elements NaN or Inf "
-                                                "(unwritten output reads as NaN)")
+                                               "(unwritten output reads as NaN)")
         err = rel_error(o, r)
         worst = max(worst, err)
         if err > rtol:
             return CallResult(False, "accuracy", f"{where} relative error {err:.3g} > tolerance {rtol:g}", err)
-    for i, (a, p) in enumerate(zip(args, private)):
-        if isinstance(a, torch.Tensor) and not torch.equal(a, p):
-            return CallResult(False, "inputs_unchanged", f"argument {i} was modified by the candidate", worst)
     return CallResult(True, "", "", worst)
+
+
+def check_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str, rtol: float) -> CallResult:
+    """Both halves in one process, on a private copy of the inputs: for op tests and op
+    development, where the candidate is trusted. Stages never use it."""
+    private = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    result = run_call(op, fn, args, out_dtype, device)
+    if not result.ok:
+        return result
+    return judge(op, list(result.outputs), private, rtol)

@@ -80,6 +80,8 @@ class Rules:
     sol_margin: float = 1.10  # speed-of-light: achieved rate above margin x ceiling is rejected
     launch_bound_us: float = 50.0  # shapes whose roofline is under this are timed by CUDA-graph replay
     compile_baseline: bool = True
+    memory_mb: int = 16384  # resident host memory of the candidate's process before it is killed
+    gpu_memory_fraction: float = 0.8  # of the GPU's memory the candidate's process may allocate
 
 
 @dataclass(frozen=True)

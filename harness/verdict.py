@@ -72,6 +72,7 @@ class Verdict:
     stages: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     log_tail: str = ""
+    flags: list[str] = field(default_factory=list)  # screening findings for a person to look at
 
     # -- building ---------------------------------------------------------------
     def gate(self, name: str, passed: bool, detail: str = "") -> bool:
@@ -95,6 +96,7 @@ class Verdict:
             self.max_rel_error = max(self.max_rel_error or 0.0, later.max_rel_error)
         if later.log_tail:
             self.log_tail = later.log_tail
+        self.flags = sorted(set(self.flags) | set(later.flags))
         if later.status != PASS and self.status == PASS:
             self.status = later.status
 
@@ -108,7 +110,10 @@ class Verdict:
         return bool(self.device.get("gpu_timing"))
 
     def score(self) -> float | None:
-        """Geometric-mean speed-up over the best baseline per shape; None unless passed and timed."""
+        """Geometric-mean speed-up over the best baseline per shape; None unless passed and timed.
+
+        A candidate flagged for calling PyTorch's own implementation of the op counts as no
+        speed-up (at most 1): its speed is torch's, not its own."""
         if self.status != PASS or not self.timings:
             return None
         import math
@@ -117,7 +122,8 @@ class Verdict:
         for t in self.timings:
             base = min(x for x in (t.eager_us, t.compile_us) if x)
             logs.append(math.log(base / t.best_us))
-        return math.exp(sum(logs) / len(logs))
+        score = math.exp(sum(logs) / len(logs))
+        return min(score, 1.0) if "reference_fallback" in self.flags else score
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for tracking: per shape `<label>/<name>`, plus summaries."""
@@ -160,6 +166,7 @@ class Verdict:
             stages=d.get("stages", []),
             wall_s=d.get("wall_s", 0.0),
             log_tail=d.get("log_tail", ""),
+            flags=d.get("flags", []),
         )
 
     @classmethod

@@ -1,20 +1,23 @@
-"""Each gate rejects a planted bad candidate, and honest candidates pass: real harness
-processes on this machine (Triton interpreter when there is no GPU)."""
+"""Gates outside the gauntlet's manifest (tests/test_gauntlet.py runs that): loading, a
+whole honest evaluation through the pipeline, screening rules and the speed-of-light gate
+as plain functions."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
-from conftest import CANDIDATES
-from engine_templates.ops import get_op
 from flows.pipeline import run_stages
 from flows.target import Target
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import local_pool
-from harness.job import Candidate
-from harness.verdict import Verdict
+from harness.job import Candidate, Job, Rules, Shape
+from harness.screen import screen
+from harness.verdict import ShapeTiming, Verdict
 from tracking.ledger import Charge
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 60})
+from conftest import CANDIDATES as SUITE
 
 
 def evaluate(candidate: Candidate, target: Target = TARGET) -> tuple[Verdict, Charge]:
@@ -26,30 +29,7 @@ def evaluate(candidate: Candidate, target: Target = TARGET) -> tuple[Verdict, Ch
 
 
 def free(name: str, op: str = "rmsnorm") -> Candidate:
-    return Candidate(op=op, kind="free", source=(CANDIDATES / op / f"{name}.py").read_text(), origin="test")
-
-
-@pytest.mark.parametrize("name, status, gate", [
-    ("wrong_values", "fail", "accuracy"),
-    ("nan_output", "fail", "finite"),
-    ("constant_output", "fail", "accuracy"),
-    ("unwritten_output", "fail", "finite"),
-    ("mutates_input", "fail", "inputs_unchanged"),
-    ("wrong_dtype", "fail", "output_form"),
-    ("raises", "fail", "compile"),
-    ("crashes", "crash", "process"),
-])
-def test_planted_candidate_is_rejected_by_its_gate(name, status, gate):
-    verdict, _ = evaluate(free(name))
-    assert (verdict.status, verdict.failing_gate.name) == (status, gate), verdict.to_json()
-    assert verdict.score() is None and not verdict.timings
-
-
-def test_hang_past_the_time_limit_is_a_crash():
-    target = TARGET.model_copy(update={"budget": TARGET.budget.model_copy(update={"stage_timeout_s": 12})})
-    verdict, charge = evaluate(free("hangs"), target)
-    assert (verdict.status, verdict.failing_gate.name) == ("crash", "time_limit")
-    assert 12 <= charge.gpu_seconds < 40  # killed at the limit, not left running
+    return Candidate(op=op, kind="free", source=(SUITE / op / f"{name}.py").read_text(), origin="test")
 
 
 @pytest.mark.parametrize("name, gate", [("syntax_error", "load"), ("wrong_signature", "signature")])
@@ -62,23 +42,55 @@ def test_honest_torch_module_passes_every_stage():
     verdict, charge = evaluate(free("honest_torch"))
     assert verdict.status == "pass", verdict.to_json()
     assert verdict.stages == ["compile", "check", "bench"]
-    assert {g.name for g in verdict.gates} == {"compile", "correctness", "speed_of_light"}
+    assert {g.name for g in verdict.gates} == {"screen", "compile", "correctness", "speed_of_light"}
     assert [t.label for t in verdict.timings] == ["decode_b1", "decode_b4", "prefill_40"]
     assert 0 < verdict.max_rel_error < TARGET.tolerance
+    assert "network: none" in verdict.device["isolation"] or "not isolated" in verdict.device["isolation"]
     assert verdict.score() > 0 and set(charge.stage_seconds) == {"compile", "check", "bench"}
-
-
-@pytest.mark.parametrize("op_name", ["rmsnorm", "silu_mul"])
-def test_triton_template_points_pass(op_name):
-    template = next(iter(get_op(op_name).templates.values()))
-    point = {k: v[-1] for k, v in template.space.items()}  # the other end of the space from the default
-    for p in (template.default, point):
-        verdict, _ = evaluate(Candidate(op=op_name, kind="template", template=template.name, point=p))
-        assert verdict.status == "pass", verdict.to_json()
-        assert verdict.device["gpu_timing"] is (verdict.device["kind"] == "cuda")
 
 
 def test_point_outside_the_space_fails_at_load():
     verdict, _ = evaluate(Candidate(op="rmsnorm", kind="template", template="rows",
                                     point={"block_n": 3, "rows_per_program": 1, "num_warps": 4, "num_stages": 1}))
     assert (verdict.status, verdict.failing_gate.name) == ("fail", "load")
+
+
+@pytest.mark.parametrize("source, rule, action", [
+    ("import os as o\ndef f():\n    o.fork()\n", "process_creation", "reject"),
+    ("from os import system\n", "process_creation", "reject"),
+    ("import torch\ntorch.cuda.synchronize = lambda: None\n", "timer_patching", "reject"),
+    ("import time\nsetattr(time, 'perf_counter', None)\n", "timer_patching", "reject"),
+    ("import torch.nn.functional as F\nF.rms_norm\n", "reference_fallback", "flag"),
+    ("import torch\ns = torch.cuda.Stream()\n", "unjoined_stream", "reject"),
+    ("import torch\nx = 1\ngetattr(x, 'a' + 'b')\n", "dynamic_attribute", "flag"),
+    ("from engine_templates.ops import get_op\n", "harness_access", "reject"),
+    ("import sys\nsys.modules['gc']\n", "introspection", "reject"),
+])
+def test_screen_finds(source, rule, action):
+    found = {(f.rule, f.action) for f in screen(source).findings}
+    assert (rule, action) in found, found
+
+
+def test_screen_lets_a_joined_side_stream_and_plain_kernels_through():
+    joined = "import torch\ns = torch.cuda.Stream()\ns.wait_stream(torch.cuda.current_stream())\n"
+    assert not screen(joined).rejections and [f.rule for f in screen(joined).flags] == ["side_stream"]
+    for path in SUITE.glob("*/honest_*.py"):
+        assert not screen(path.read_text()).rejections, path
+
+
+def test_speed_of_light_rejects_a_time_under_the_roofline():
+    from harness.judging import speed_of_light
+
+    job = Job("bench", Candidate(op="rmsnorm", kind="free", source=""), "tiny", [Shape("s", {})], [], Rules())
+    v = Verdict(op="rmsnorm", candidate_id="x", device={"gpu_timing": True})
+    v.timings.append(ShapeTiming("s", {}, 1.0, 1.0, 10.0, None, roofline_us=5.0, bytes=1, flops=1))
+    speed_of_light(job, v)
+    assert (v.status, v.failing_gate.name) == ("fail", "speed_of_light") and "faster than" in v.failing_gate.detail
+
+
+def test_reference_fallback_scores_no_speed_up():
+    v = Verdict(op="rmsnorm", candidate_id="x", flags=["reference_fallback"])
+    v.timings.append(ShapeTiming("s", {}, 1.0, 1.0, 10.0, None, roofline_us=0.1, bytes=1, flops=1))
+    assert v.score() == 1.0
+    v.flags = []
+    assert v.score() == pytest.approx(10.0)

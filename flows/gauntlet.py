@@ -1,0 +1,85 @@
+"""`infersmith gauntlet`: both suites of harness/gauntlet/ on one slot of a pool, as a table.
+
+Each case runs through the same stages as any candidate (compile → check → bench, stopping
+at the first that does not pass) on the same executor, so the table proves the gates of
+the host it ran on. Red-team cases are cheap: most stop at screening or in the check stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from flows.pipeline import jobs_for
+from flows.target import Target
+from gpu_pool.executors import executor_for
+from gpu_pool.pool import Slot
+from harness.gauntlet import Case
+from harness.verdict import PASS, Verdict
+
+
+@dataclass
+class Row:
+    case: Case
+    verdict: Verdict
+    seconds: float
+
+    @property
+    def got(self) -> str:
+        v = self.verdict
+        if v.status == PASS:
+            return "pass" + (f" (flags: {', '.join(v.flags)})" if v.flags else "")
+        return f"{v.status} {v.failing_gate.name if v.failing_gate else '?'}"
+
+    @property
+    def ok(self) -> bool:
+        v, c = self.verdict, self.case
+        if c.expect == "pass":
+            return v.status == PASS and set(c.flags) <= set(v.flags)
+        return v.status == c.expect and v.failing_gate is not None and v.failing_gate.name == c.gate
+
+
+def run_case(case: Case, target: Target, slot: Slot) -> Row:
+    verdict: Verdict | None = None
+    held = 0.0
+    timeout = case.timeout_s or target.budget.stage_timeout_s
+    for job in jobs_for(case.candidate(), target, slot).values():
+        if case.memory_mb:
+            job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb))
+        run = executor_for(slot).run(job, slot, timeout)
+        held += run.held_s
+        if verdict is None:
+            verdict = run.verdict
+        else:
+            verdict.merge(run.verdict)
+        if verdict.status != PASS:
+            break
+    return Row(case, verdict, held)
+
+
+def run_gauntlet(cases: list[Case], target: Target, slot: Slot,
+                 progress: Callable[[Row], None] = lambda row: None) -> list[Row]:
+    rows = []
+    for case in cases:
+        rows.append(run_case(case, target, slot))
+        progress(rows[-1])
+    return rows
+
+
+def table(rows: list[Row], on_gpu: bool) -> str:
+    """Markdown: one line per case, red team first; `ok` says the verdict was the expected one."""
+    lines = ["| suite | vector | candidate | expected | got | ok | s | note |",
+             "| --- | --- | --- | --- | --- | --- | ---: | --- |"]
+    for r in sorted(rows, key=lambda r: r.case.honest):
+        c = r.case
+        note = c.note
+        if not on_gpu and c.vector in ("hidden work", "timer patching") and "GPU" not in note:
+            note = (note + "; " if note else "") + "stream/event paths need a GPU"
+        lines.append(f"| {'honest' if c.honest else 'red team'} | {c.vector} | `{c.name}` | {c.expected} | "
+                     f"{r.got} | {'yes' if r.ok else '**NO**'} | {r.seconds:.0f} | {note} |")
+    red = [r for r in rows if not r.case.honest]
+    honest = [r for r in rows if r.case.honest]
+    lines.append("")
+    lines.append(f"red team rejected as expected: {sum(r.ok for r in red)}/{len(red)}; "
+                 f"honest passed: {sum(r.ok for r in honest)}/{len(honest)}"
+                 + ("" if on_gpu else "; no GPU: speed-of-light and the GPU timing paths are not exercised"))
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""The one-way report channel from the sandboxed candidate process to the supervisor.
+
+Frames are a JSON header line and raw tensor bytes — never pickle, so nothing the
+candidate's process sends can run code in the supervisor. The supervisor trusts a frame
+only as far as it can check it: outputs are judged against its own oracle; a frame that
+is malformed or oversized is a protocol violation, recorded as such.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, BinaryIO
+
+import torch
+
+MAX_HEADER = 1 << 20
+
+
+class ProtocolError(Exception):
+    """The sandbox sent something that is not a well-formed frame."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ProtocolError(f"unknown dtype {name!r}")
+    return dt
+
+
+class Sender:
+    """The sandbox's end: one file descriptor inherited from the supervisor."""
+
+    def __init__(self, fd: int):
+        self._f = os.fdopen(fd, "wb", buffering=0)
+
+    def send(self, kind: str, tensors: tuple[torch.Tensor, ...] = (), **fields: Any) -> None:
+        blobs = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                 for t in tensors]
+        meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
+        header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [len(b) for b in blobs], **fields})
+        self._f.write(header.encode() + b"\n")
+        for b in blobs:
+            self._f.write(b)
+
+
+def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Tensor]] | None:
+    """The next frame, or None at end of stream; ProtocolError when it is not a frame."""
+    line = stream.readline(MAX_HEADER)
+    if not line:
+        return None
+    if not line.endswith(b"\n"):
+        raise ProtocolError("header line too long or cut off")
+    try:
+        header = json.loads(line)
+        metas, sizes = header["tensors"], header["nbytes"]
+        assert isinstance(header["kind"], str) and len(metas) == len(sizes)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise ProtocolError(f"malformed header: {line[:200]!r}") from None
+    if sum(sizes) > max_payload:
+        raise ProtocolError(f"payload of {sum(sizes)} bytes exceeds the {max_payload} this frame may carry")
+    tensors = []
+    for meta, size in zip(metas, sizes):
+        data = stream.read(size)
+        if len(data) != size:
+            raise ProtocolError("stream ended inside a payload")
+        dtype, shape = _dtype(meta["dtype"]), [int(n) for n in meta["shape"]]
+        t = torch.frombuffer(bytearray(data), dtype=dtype) if size else torch.empty(0, dtype=dtype)
+        try:
+            tensors.append(t.reshape(shape))
+        except RuntimeError as e:
+            raise ProtocolError(f"payload does not fit shape {shape}: {e}") from None
+    return header, tensors

@@ -1,0 +1,63 @@
+"""The gauntlet's suites as data: `manifest.toml` lists every red-team and honest candidate,
+the vector of shared/GAUNTLET.md it stands for, and the verdict it must get. The files
+live beside it, one folder per op, so a worker bundle carries them to any host."""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.job import Candidate
+
+HERE = Path(__file__).parent
+STATUSES = ("pass", "fail", "crash")
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    vector: str
+    expect: str
+    gate: str
+    file: str = ""
+    template: str = ""
+    point: str = ""
+    flags: tuple[str, ...] = ()
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"
+        assert bool(self.file) != bool(self.template), f"{self.name}: give a file or a template, not both"
+        assert (self.expect == "pass") == (self.gate == ""), f"{self.name}: a pass has no gate, a rejection has one"
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}/{self.file.removesuffix('.py')}" if self.file else f"{self.op}/{self.template}[{self.point}]"
+
+    @property
+    def honest(self) -> bool:
+        return self.vector == "honest"
+
+    @property
+    def expected(self) -> str:
+        return self.expect if self.expect == "pass" else f"{self.expect} {self.gate}"
+
+    def candidate(self) -> Candidate:
+        if self.file:
+            return Candidate(op=self.op, kind="free", source=(HERE / self.op / self.file).read_text(),
+                             origin="gauntlet")
+        from engine_templates.ops import get_op
+
+        template = get_op(self.op).templates[self.template]
+        point = dict(template.default) if self.point == "default" else {k: v[-1] for k, v in template.space.items()}
+        return Candidate(op=self.op, kind="template", template=self.template, point=point, origin="gauntlet")
+
+
+def load_cases(op: str | None = None, manifest: Path = HERE / "manifest.toml") -> list[Case]:
+    cases = []
+    for raw in tomllib.loads(manifest.read_text())["case"]:
+        raw = dict(raw, flags=tuple(raw.get("flags", ())))
+        cases.append(Case(**raw))
+    return [c for c in cases if op is None or c.op == op]

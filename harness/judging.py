@@ -1,0 +1,161 @@
+"""The supervisor's reading of the sandbox's report: the plan it hands out, the outputs it
+judges against its own oracle, the timings it turns into roofline numbers, and how the
+sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
+from __future__ import annotations
+
+from typing import BinaryIO, Callable
+
+import torch
+
+from engine_templates.ops import get_op
+from engine_templates.ops.base import DTYPES, generator
+from harness import ceilings, device as devices, timing
+from harness.channel import ProtocolError, read_frame
+from harness.checks import judge
+from harness.job import Job
+from harness.stages import persistent, shapes_by_label
+from harness.supervisor import check_plan, fresh_seeds
+from harness.verdict import PASS, ShapeTiming, Verdict
+
+
+class Judge:
+    def __init__(self, job: Job, v: Verdict):
+        self.job, self.v, self.op = job, v, get_op(job.candidate.op)
+        self.device = devices.pick(job.device)
+        self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
+        v.device = devices.describe(self.device)
+        self.judged, self.worst, self.done = 0, 0.0, False
+        self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
+        biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
+        self.max_payload = 4 * biggest + (1 << 20)
+
+    def _bench_plan(self) -> dict:
+        ceil = ceilings.ceilings(self.device, self.v.device)  # measured here, before the candidate runs
+        self.v.device["ceilings"] = ceil
+        if self.device == "cuda":
+            torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
+        l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
+        self.roofline, items = {}, []
+        for shape in self.job.shapes:
+            nbytes, flops = self.op.bytes(shape, self.dtype), self.op.flops(shape)
+            roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
+            self.roofline[shape.label] = (roof, nbytes, flops)
+            n = timing.rotation_count(nbytes, l2) if self.device == "cuda" else 2
+            items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
+                          "graph": self.device == "cuda" and roof < self.job.rules.launch_bound_us})
+        return {"shapes": items}
+
+    # -- reading --------------------------------------------------------------
+    def read(self, stream: BinaryIO, stop: Callable[[], None]) -> None:
+        """Frames until the sandbox is done, ends, or a gate fails (then it is stopped)."""
+        while self.v.status == PASS and not self.done:
+            try:
+                frame = read_frame(stream, self.max_payload)
+            except ProtocolError as e:
+                self.v.gate("protocol", False, f"the sandbox's report is not well-formed ({e}): "
+                                               "something in its process wrote to the harness's channel")
+                break
+            if frame is None:
+                return
+            self._take(*frame)
+        stop()
+
+    def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        kind = header["kind"]
+        if kind == "done":
+            self.done = True
+        elif kind == "isolation":
+            self.v.device["isolation"] = str(header.get("detail", ""))
+        elif kind == "gate":
+            name, passed, detail = str(header["name"]), bool(header["passed"]), str(header.get("detail", ""))
+            self.v.crash(name, detail) if header.get("crash") else self.v.gate(name, passed, detail)
+        elif kind == "outputs":
+            self._judge(str(header.get("item")), tensors)
+        elif kind == "timing" and self.job.stage == "bench" and header.get("label") in self.roofline:
+            roof, nbytes, flops = self.roofline[header["label"]]
+            fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
+                                             "compile_us", "method")}
+            self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops))
+        else:
+            self.v.gate("protocol", False, f"unexpected frame {kind!r} in the {self.job.stage} stage")
+
+    # -- judging outputs ------------------------------------------------------
+    def _args(self, shape_label: str, seed: int, dist: str = "normal") -> tuple:
+        return self.op.inputs(self.shapes[shape_label], self.dtype, self.device, generator(self.device, seed), dist)
+
+    def _judge(self, item: str, outs: list[torch.Tensor]) -> None:
+        parts = item.split("/")
+        try:
+            if parts[0] == "check":
+                call = self.plan["calls"][int(parts[1])]
+                args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
+                where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
+            elif parts[0] == "bench":
+                spec, phase, j = self.plan["shapes"][int(parts[1])], parts[2], int(parts[3])
+                args = self._args(spec["shape"], spec["sets"][j])
+                if phase == "refill":
+                    fresh = self._args(spec["shape"], spec["refill"][j])
+                    args = tuple(a if persistent(self.op, i) or not isinstance(a, torch.Tensor) else fresh[i]
+                                 for i, a in enumerate(args))
+                gate = "caching" if phase == "refill" else "timed_outputs"
+                where = f"{spec['shape']} ({phase} input set {j})"
+            else:
+                raise ValueError(item)
+        except (ValueError, IndexError, KeyError):
+            self.v.gate("protocol", False, f"outputs for {item!r}, which the plan never asked for")
+            return
+        result = judge(self.op, outs, args, self.job.rules.rtol)
+        self.judged += 1
+        self.worst = max(self.worst, result.rel_error)
+        self.v.max_rel_error = self.worst
+        if result.ok:
+            return
+        detail = f"{where}: {result.detail}"
+        if gate == "caching":
+            detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
+                       "shapes) the result is stale: cached on pointer, shape or something else than the values")
+        self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
+
+    # -- the end --------------------------------------------------------------
+    def memory_exceeded(self, rss_mb: float) -> None:
+        self.v.crash("memory", f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
+                               f"{self.job.rules.memory_mb} MiB limit, and was killed")
+
+    def finish(self, returncode: int | None) -> None:
+        v = self.v
+        if v.status != PASS:
+            return
+        if not self.done:
+            how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
+            v.crash("process", f"the candidate's process ended ({how}) before its report was complete")
+            return
+        if self.job.stage == "check":
+            expected = len(self.plan["calls"])
+            if self.judged != expected:
+                v.gate("protocol", False, f"{self.judged} of {expected} planned calls reported")
+                return
+            v.gate("correctness", True, f"{expected} calls over {len(self.shapes)} shapes; worst relative error "
+                                        f"{self.worst:.3g} <= {self.job.rules.rtol:g} (judged outside the sandbox)")
+        elif self.job.stage == "bench":
+            expected = {s["shape"] for s in self.plan["shapes"]}
+            if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):
+                v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
+                return
+            probes = sum(2 * len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"])
+            if self.judged != probes:
+                v.gate("protocol", False, f"{self.judged} of {probes} probe outputs reported")
+                return
+            speed_of_light(self.job, v)
+
+
+def speed_of_light(job: Job, v: Verdict) -> None:
+    if not v.gpu_timing:
+        v.gate("speed_of_light", True, "no GPU timing (CPU / interpreter): not applicable")
+        return
+    for t in v.timings:
+        if t.best_us < t.roofline_us / job.rules.sol_margin:
+            v.gate("speed_of_light", False,
+                   f"{t.label}: {t.best_us:.2f} us is faster than the measured roofline "
+                   f"{t.roofline_us:.2f} us allows ({100 * t.roofline_us / t.best_us:.0f}% of roofline)")
+            return
+    v.gate("speed_of_light", True, f"every shape within {job.rules.sol_margin:g}x of the measured roofline")

@@ -1,0 +1,61 @@
+"""`python -P -m harness.sandbox FD`: the candidate's own process, started by the supervisor.
+
+It reads its request (the job and the supervisor's plan) on stdin, limits itself (memory,
+core dumps, network) before importing anything heavy, imports the harness, torch and the op,
+notes the identity of every timer and harness function, and only then imports the candidate
+from its scratch directory. Everything it finds goes to the supervisor as frames on FD; it
+decides no verdict — a process that dies or stops reporting is a crash there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    from harness import limits
+
+    request = json.loads(sys.stdin.read())
+    cpu_only = request["device"] == "cpu"
+    memory = limits.cap_memory(request["memory_mb"], cpu_only)
+    network = limits.drop_network(allow_user_namespace=cpu_only)
+
+    import torch
+
+    from engine_templates.ops import get_op
+    from harness import checks, device, integrity, stages, timing  # noqa: F401  (watched below)
+    from harness.channel import Sender
+    from harness.job import Job
+    from harness.load import Rejected, load
+
+    send = Sender(int(sys.argv[1])).send
+    send("isolation", detail=f"{memory}; {network}; pid {os.getpid()}")
+    job = Job.from_json(request["job"])
+    op, dev = get_op(job.candidate.op), request["device"]
+    if dev == "cuda":
+        torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
+    identities = integrity.Identities()
+    try:
+        fn = load(job.candidate, op, Path(os.getcwd()))
+    except Rejected as e:
+        send("gate", name=e.gate, passed=False, detail=e.detail)
+        send("done")
+        return 0
+    except MemoryError as e:
+        send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
+        send("done")
+        return 0
+    run = {"compile": stages.compile_stage, "check": stages.check_stage, "bench": stages.bench_stage}[job.stage]
+    run(job, op, fn, dev, request["plan"], send)
+    patched = identities.changed()
+    if patched:
+        send("gate", name="timer_integrity", passed=False,
+             detail=f"the candidate replaced {', '.join(patched[:6])}: timers and checks must stay the harness's")
+    send("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The trusted side of one stage: screen, plan, run the sandbox, judge, write the verdict.
+
+The candidate never runs in this process. The supervisor screens the source, hashes the
+harness's files, draws the seeds, starts `harness.sandbox` (its own process, scratch
+directory, memory limit, no network where the OS allows), and reads its report. Values are
+judged here against the float64 oracle on inputs this process redraws itself from the same
+seeds, so the expected outputs exist only where the candidate cannot reach them; the verdict
+is written only here, after the sandbox and everything it started are dead.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.job import Job
+from harness.limits import MemoryWatchdog
+from harness.screen import screen
+from harness.verdict import Verdict
+
+WORKER_ROOT = Path(__file__).resolve().parent.parent
+WATCHED_TREES = ("harness", "engine_templates")
+# What the sandbox inherits from the environment: enough for torch, Triton and CUDA; no
+# credentials the controller's environment may hold.
+ENV_KEEP = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED",
+            "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "OMP_NUM_THREADS", "INFERSMITH_CACHE",
+            "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")
+ENV_KEEP_PREFIXES = ("TRITON_", "NVIDIA_", "CUDA_")
+PR_SET_CHILD_SUBREAPER = 36
+_seeds = random.SystemRandom()
+
+
+def supervise(job: Job, scratch: Path) -> Verdict:
+    v = Verdict(op=job.candidate.op, candidate_id=job.candidate.id, stages=[job.stage])
+    t0 = time.perf_counter()
+    if job.candidate.kind == "free" and not _screened(job, v):
+        return v
+    # torch and the op only once the source passed screening; every import before the first
+    # hash, so that this process's own bytecode writes are not taken for the candidate's
+    from harness.integrity import tree_changes, tree_digest
+    from harness.judging import Judge
+
+    judge = Judge(job, v)
+    trees = [WORKER_ROOT / t for t in WATCHED_TREES]
+    before = tree_digest(trees)
+    returncode = _run_sandbox(job, scratch, judge)
+    changes = tree_changes(before, tree_digest(trees))
+    if changes:
+        _remove_planted(changes)
+        v.gate("harness_integrity", False, f"the harness's files changed while the candidate ran: "
+                                           f"{'; '.join(changes[:5])}")
+    judge.finish(returncode)
+    v.wall_s = time.perf_counter() - t0
+    return v
+
+
+def _screened(job: Job, v: Verdict) -> bool:
+    try:
+        found = screen(job.candidate.source or "")
+    except SyntaxError:
+        return True  # the load gate reports it, with the line
+    if found.rejections:
+        v.gate("screen", False, "; ".join(str(f) for f in found.rejections))
+        return False
+    v.flags = sorted({f.rule for f in found.flags})
+    if job.stage == "compile":  # once per candidate, not once per stage
+        v.gate("screen", True, "; ".join(f"flag {f}" for f in found.flags) or "nothing to flag")
+    return True
+
+
+def _sandbox_env(scratch: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_KEEP_PREFIXES)}
+    env["PYTHONPATH"] = str(WORKER_ROOT)
+    # The sandbox writes no bytecode: every change under the harness's trees is the candidate's.
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def _run_sandbox(job: Job, scratch: Path, judge) -> int | None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
+    home = scratch / "sandbox"
+    home.mkdir(exist_ok=True)
+    r, w = os.pipe()
+    request = {"job": job.to_json(), "plan": judge.plan, "device": judge.device,
+               "memory_mb": job.rules.memory_mb, "gpu_memory_fraction": job.rules.gpu_memory_fraction}
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
+                            env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
+    os.close(w)
+    watchdog = MemoryWatchdog(proc.pid, job.rules.memory_mb, lambda: _kill(proc.pid))
+    try:
+        proc.stdin.write(json.dumps(request).encode())
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # it died at once; its exit status says how
+    with os.fdopen(r, "rb") as stream:
+        judge.read(stream, stop=lambda: _kill(proc.pid))
+    _kill(proc.pid)
+    returncode = proc.wait()
+    watchdog.stop()
+    _kill_descendants()
+    if watchdog.tripped:
+        judge.memory_exceeded(watchdog.tripped)
+    return returncode
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+def _kill_descendants() -> None:
+    """Everything the sandbox left behind (re-parented to us as the subreaper)."""
+    me = os.getpid()
+    for _ in range(3):
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # exited while we looked
+            if int(fields[1]) == me:
+                children.append(int(stat.parent.name))
+        for pid in children:
+            _kill(pid)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass  # reaped already
+        if not children:
+            return
+
+
+def _remove_planted(changes: list[str]) -> None:
+    """Files the candidate added, and bytecode it touched (a cache: always safe to delete), are
+    removed so that the next run does not import them. A changed source file stays for a person
+    to see; the verdict names it."""
+    for change in changes:
+        how, _, path = change.partition(" ")
+        if how == "added" or (how == "changed" and "__pycache__" in Path(path).parts):
+            Path(path).unlink(missing_ok=True)
+
+
+def check_plan(job: Job) -> dict:
+    from engine_templates.ops.base import DISTRIBUTIONS
+
+    dists = itertools.cycle(DISTRIBUTIONS)
+    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
+             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
+    return {"calls": calls}
+
+
+def fresh_seeds(n: int) -> list[int]:
+    return [_seeds.getrandbits(62) for _ in range(n)]
