@@ -94,11 +94,21 @@ def cmd_ops(args) -> int:
     return 0
 
 
+def _shapes_fit(op, target) -> None:
+    """An op that cannot take this model (fused_moe on a dense preset, say) is a usage error."""
+    w = target.workload
+    try:
+        op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+    except ValueError as e:
+        raise UsageError(f"{op.name} on {target.model}: {e}") from None
+
+
 def cmd_evaluate(args) -> int:
     from harness.load import screen_signature
 
     op = _op(args.op)
     target = _target(args)
+    _shapes_fit(op, target)
     path = Path(args.candidate)
     try:
         source = path.read_text()
@@ -136,6 +146,7 @@ def _verdict_text(v: dict, result: dict) -> str:
 def cmd_optimize(args) -> int:
     op = _op(args.op)
     target = _target(args, candidates=args.budget, wall_clock=args.wall_clock, plateau=args.plateau)
+    _shapes_fit(op, target)
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     from flows.optimize_op import optimize_op

@@ -26,6 +26,10 @@ class Workload(BaseModel):
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
 
 
+def is_tiny(model: str) -> bool:
+    return model.startswith("tiny")
+
+
 TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48])
 
 
@@ -53,8 +57,8 @@ class Target(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tiny_workload(cls, data):
-        # The tiny preset runs under the CPU interpreter: its default workload is tiny too.
-        if isinstance(data, dict) and data.get("model") == "tiny" and "workload" not in data:
+        # The tiny presets run under the CPU interpreter: their default workload is tiny too.
+        if isinstance(data, dict) and is_tiny(data.get("model", "")) and "workload" not in data:
             data = {**data, "workload": TINY_WORKLOAD.model_dump()}
         return data
 

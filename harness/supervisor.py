@@ -141,12 +141,15 @@ def _kill_descendants() -> None:
 
 
 def _remove_planted(changes: list[str]) -> None:
-    """Files the candidate added, and bytecode it touched (a cache: always safe to delete), are
-    removed so that the next run does not import them. A changed source file stays for a person
-    to see; the verdict names it."""
+    """Bytecode the candidate added or touched is a cache, always safe to delete, and must go so
+    that the next run does not import it. Added source files are deleted only in a shipped
+    bundle: in a checkout (the local pool) a new file may be a person's work. The verdict names
+    every change either way."""
+    in_checkout = (WORKER_ROOT / ".git").exists()
     for change in changes:
         how, _, path = change.partition(" ")
-        if how == "added" or (how == "changed" and "__pycache__" in Path(path).parts):
+        cache = "__pycache__" in Path(path).parts
+        if (how in ("added", "changed") and cache) or (how == "added" and not in_checkout):
             Path(path).unlink(missing_ok=True)
 
 

@@ -37,6 +37,7 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--template", "nope"], "no template 'nope'"),
     (["optimize", "--op", "rmsnorm", "--proposer", "genius"], "invalid choice"),
     (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "unknown model preset"),
+    (["optimize", "--op", "fused_moe", "--model", "qwen3-8b"], "needs a mixture-of-experts preset"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)

@@ -35,7 +35,7 @@ def trials(tracker: Tracker, scope: RunScope, template: str) -> list[Trial]:
     """Every trial of this op, target, GPU class and template, from any flow, finished or pending."""
     out = []
     for run in search(tracker, scope.op, target=scope.target_key, template=template,
-                      gpu_class=scope.gpu_class):
+                      pool_class=scope.gpu_class):
         cand = Candidate.from_dict(json.loads(run.data.tags[f"{T}candidate"]))
         out.append(Trial(cand, run.data.tags.get(f"{T}status", "pending"), run.data.metrics.get("score")))
     return out

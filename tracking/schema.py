@@ -94,7 +94,10 @@ class Tracker:
                 f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
                 f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(bare, sort_keys=True),
                 f"{T}proposer": cand.origin, f"{T}template": cand.template or "free",
-                f"{T}gpu_class": scope.gpu_class} | ({f"{T}requeued_from": requeued_from} if requeued_from else {})
+                # pool_class is the scope the proposer's history is read by; gpu_class becomes the
+                # class of the slot that ran it, which in a mixed pool differs.
+                f"{T}pool_class": scope.gpu_class, f"{T}gpu_class": scope.gpu_class} | (
+                    {f"{T}requeued_from": requeued_from} if requeued_from else {})
         run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
         params = {"candidate.kind": cand.kind, "candidate.id": cand.id}
         if cand.kind == "template":
@@ -130,7 +133,7 @@ class Tracker:
         controller process on this machine died (a killed flow never ends its runs)."""
         where = " AND ".join(f"tags.`{T}{k}` = '{v}'" for k, v in {
             "kind": "candidate", "op": scope.op, "target": scope.target_key, "template": template,
-            "gpu_class": scope.gpu_class, "status": PENDING}.items())
+            "pool_class": scope.gpu_class, "status": PENDING}.items())
         runs = self.client.search_runs([self.experiment(scope.op)], where, max_results=1000)
         parents: dict[str, bool] = {}
         out = []
