@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from flows.pipeline import jobs_for
+from flows.pipeline import run_stages
 from flows.target import Target
 from gpu_pool.executors import executor_for
 from gpu_pool.pool import Slot
 from harness.gauntlet import Case
 from harness.verdict import PASS, Verdict
+from tracking.ledger import Charge
 
 
 @dataclass
@@ -39,21 +40,18 @@ class Row:
 
 
 def run_case(case: Case, target: Target, slot: Slot) -> Row:
-    verdict: Verdict | None = None
-    held = 0.0
     timeout = case.timeout_s or target.budget.stage_timeout_s
-    for job in jobs_for(case.candidate(), target, slot).values():
-        if case.memory_mb:
+    target = target.model_copy(update={"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})})
+    executor = executor_for(slot)
+
+    def run_stage(stage: str, job, slot: Slot, timeout_s: float):
+        if case.memory_mb:  # the runaway cases prove the limit with a smaller one
             job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb))
-        run = executor_for(slot).run(job, slot, timeout)
-        held += run.held_s
-        if verdict is None:
-            verdict = run.verdict
-        else:
-            verdict.merge(run.verdict)
-        if verdict.status != PASS:
-            break
-    return Row(case, verdict, held)
+        return executor.run(job, slot, timeout_s)
+
+    charge = Charge()
+    verdict = run_stages(case.candidate(), target, slot, run_stage, charge)
+    return Row(case, verdict, charge.gpu_seconds)
 
 
 def run_gauntlet(cases: list[Case], target: Target, slot: Slot,

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from engine_templates.ops.base import DTYPES, generator
-from harness import device as devices, timing
+from harness import timing
 from harness.checks import run_call
 from harness.job import Job, Shape
 

@@ -4,7 +4,7 @@ live beside it, one folder per op, so a worker bundle carries them to any host."
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.job import Candidate
