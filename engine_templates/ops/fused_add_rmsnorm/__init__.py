@@ -3,38 +3,23 @@ from __future__ import annotations
 
 import torch
 
-from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
-from engine_templates.ops.rmsnorm import token_shapes
-from harness.job import Shape
+from engine_templates.ops.base import Template, random_tensor
+from engine_templates.ops.rmsnorm import ROWS_TEMPLATE as RMSNORM_ROWS, RMSNorm
 
-ROWS_TEMPLATE = Template(
-    name="rows",
-    module="engine_templates.ops.fused_add_rmsnorm.templates",
-    space={
-        "block_n": [0, 256, 512, 1024, 2048],  # 0: the whole row in one block
-        "rows_per_program": [1, 2, 4],
-        "num_warps": [1, 2, 4, 8, 16],
-        "num_stages": [1, 2, 3],
-    },
-    default={"block_n": 0, "rows_per_program": 1, "num_warps": 4, "num_stages": 1},
-)
+# The same row kernel family as RMSNorm, so the same search space.
+ROWS_TEMPLATE = Template(name="rows", module="engine_templates.ops.fused_add_rmsnorm.templates",
+                         space=RMSNORM_ROWS.space, default=RMSNORM_ROWS.default)
 
 
-class FusedAddRMSNorm(Op):
+class FusedAddRMSNorm(RMSNorm):
+    """RMSNorm's shapes and odd shapes; its own inputs, oracle, baseline and counts."""
+
     name = "fused_add_rmsnorm"
     signature = "fused_add_rmsnorm(x, residual, weight, eps)"
     summary = ("r = x[tokens, hidden] + residual[tokens, hidden]; "
                "(r / rms(r) * weight[hidden], r) -> two new tensors like x")
     n_outputs = 2
     templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
-
-    def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
-        return token_shapes({"hidden": model.hidden}, decode_batches, prefill_tokens)
-
-    def odd_shapes(self, model: ModelDims):
-        return [Shape("odd_3rows", {"tokens": 3, "hidden": model.hidden}),
-                Shape("odd_cols", {"tokens": 37, "hidden": model.hidden // 2 + 13})]
 
     def inputs(self, shape, dtype, device, gen, dist):
         t, h = shape.dims["tokens"], shape.dims["hidden"]
