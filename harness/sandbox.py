@@ -1,8 +1,8 @@
 """`python -P -m harness.sandbox FD`: the candidate's own process, started by the supervisor.
 
-It reads its request (the job and the supervisor's plan) on stdin, limits itself (memory,
-core dumps, network) before importing anything heavy, imports the harness, torch and the op,
-notes the identity of every timer and harness function, and only then imports the candidate
+It reads its limits on the first line of stdin and applies them (memory, core dumps,
+network) before importing anything heavy, imports the harness, torch and the op while the
+supervisor makes its plan, reads the job and the plan on the second line, notes the identity of every timer and harness function, and only then imports the candidate
 from its scratch directory. Everything it finds goes to the supervisor as frames on FD; it
 decides no verdict — a process that dies or stops reporting is a crash there.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 def main() -> int:
     from harness import limits
 
-    request = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.readline())
     cpu_only = request["device"] == "cpu"
     memory = limits.cap_memory(request["memory_mb"], cpu_only)
     network = limits.drop_network(allow_user_namespace=cpu_only)
@@ -31,6 +31,10 @@ def main() -> int:
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send
+    line = sys.stdin.readline()
+    if not line:  # the supervisor stopped before handing over a job
+        return 0
+    request |= json.loads(line)
     send("isolation", detail=f"{memory}; {network}; pid {os.getpid()}")
     job = Job.from_json(request["job"])
     op, dev = get_op(job.candidate.op), request["device"]

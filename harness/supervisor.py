@@ -42,15 +42,24 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     t0 = time.perf_counter()
     if job.candidate.kind == "free" and not _screened(job, v):
         return v
-    # torch and the op only once the source passed screening; every import before the first
-    # hash, so that this process's own bytecode writes are not taken for the candidate's
     from harness.integrity import tree_changes, tree_digest
-    from harness.judging import Judge
 
-    judge = Judge(job, v)
     trees = [WORKER_ROOT / t for t in WATCHED_TREES]
     before = tree_digest(trees)
-    returncode = _run_sandbox(job, scratch, judge)
+    # From here this process writes no bytecode into the watched trees: every change is the
+    # candidate's. The sandbox starts now and imports torch while this process does the same
+    # (each takes seconds); it gets its job and plan only once the judge has made the plan.
+    sys.dont_write_bytecode = True
+    sandbox = Sandbox(job, scratch) if job.device != "auto" else None
+    try:
+        from harness.judging import Judge
+
+        judge = Judge(job, v)
+        sandbox = sandbox or Sandbox(job, scratch, judge.device)
+        returncode = sandbox.run(judge)
+    finally:
+        if sandbox:
+            sandbox.end()
     changes = tree_changes(before, tree_digest(trees))
     if changes:
         _remove_planted(changes)
@@ -83,32 +92,54 @@ def _sandbox_env(scratch: Path) -> dict[str, str]:
     return env
 
 
-def _run_sandbox(job: Job, scratch: Path, judge) -> int | None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
-    home = scratch / "sandbox"
-    home.mkdir(exist_ok=True)
-    r, w = os.pipe()
-    request = {"job": job.to_json(), "plan": judge.plan, "device": judge.device,
-               "memory_mb": job.rules.memory_mb, "gpu_memory_fraction": job.rules.gpu_memory_fraction}
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
-                            env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
-    os.close(w)
-    watchdog = MemoryWatchdog(proc.pid, job.rules.memory_mb, lambda: _kill(proc.pid))
-    try:
-        proc.stdin.write(json.dumps(request).encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # it died at once; its exit status says how
-    with os.fdopen(r, "rb") as stream:
-        judge.read(stream, stop=lambda: _kill(proc.pid))
-    _kill(proc.pid)
-    returncode = proc.wait()
-    watchdog.stop()
-    _kill_descendants()
-    if watchdog.tripped:
-        judge.memory_exceeded(watchdog.tripped)
-    return returncode
+class Sandbox:
+    """The candidate's process: started with its limits, then given its job and plan on a
+    second line of stdin (the sandbox imports torch in between), then read to the end."""
+
+    def __init__(self, job: Job, scratch: Path, device: str | None = None):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
+        self.job, self.device = job, device or job.device
+        home = scratch / "sandbox"
+        home.mkdir(exist_ok=True)
+        self.read_fd, w = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
+                                     env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
+        os.close(w)
+        self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: _kill(self.proc.pid))
+        self._write({"device": self.device, "memory_mb": job.rules.memory_mb})
+        self.ended = False
+
+    def _write(self, line: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(line).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died at once; its exit status says how
+
+    def run(self, judge) -> int | None:
+        """Hand over the job and plan, read the report, and end the process and its children."""
+        self._write({"job": self.job.to_json(), "plan": judge.plan,
+                     "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # likewise
+        with os.fdopen(self.read_fd, "rb") as stream:
+            judge.read(stream, stop=lambda: _kill(self.proc.pid))
+        self.end()
+        if self.watchdog.tripped:
+            judge.memory_exceeded(self.watchdog.tripped)
+        return self.proc.returncode
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        _kill(self.proc.pid)
+        self.proc.wait()
+        self.watchdog.stop()
+        _kill_descendants()
 
 
 def _kill(pid: int) -> None:
