@@ -61,8 +61,12 @@ class Progress:
     def stop_reason(self) -> str | None:
         if self.done >= self.budget.candidates:
             return f"budget of {self.budget.candidates} candidates spent"
-        if time.monotonic() - self.started > self.budget.wall_clock_s:
+        elapsed = time.monotonic() - self.started
+        if elapsed > self.budget.wall_clock_s:
             return f"wall-clock budget of {self.budget.wall_clock_s:g} s spent"
+        if self.done and elapsed + self.gpu_seconds / self.done > self.budget.wall_clock_s:
+            return (f"wall-clock budget of {self.budget.wall_clock_s:g} s: another candidate (about "
+                    f"{self.gpu_seconds / self.done:.0f} s each so far) would end after it")
         if self.since_best >= self.budget.plateau:
             return f"plateau: {self.since_best} candidates without a 1% better score"
         return None

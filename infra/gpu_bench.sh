@@ -4,11 +4,18 @@
 # `infersmith optimize` for each op and model, and leaves the tracking store and a report.
 # Usage (repo root, wheels in .whl/):
 #   OUT=dir [RESTORE=home.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
-# OP_TIMEOUT stops one op's optimization after s seconds; its finished candidates stay tracked.
+# OP_TIMEOUT: one op's wall-clock budget (no candidate starts that would end after it); a
+# stage still running HARD_MARGIN (180) s later is interrupted. Finished candidates stay tracked.
+# EXTRA: more `infersmith optimize` options, e.g. EXTRA="--decode-batches 1,32".
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
+# Once per host and wheel set: a later call on the same host skips the install.
+stamp=$(ls .whl | sha256sum | cut -c1-16)
+if [ "$(cat /tmp/site/.infersmith-wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
+    echo "$stamp" > /tmp/site/.infersmith-wheels
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_HOME=/tmp/prefect-home
 export INFERSMITH_HOME=${INFERSMITH_HOME:-/tmp/infersmith-home} PREFECT_SERVER_ANALYTICS_ENABLED=false
 # RESTORE: a home.tgz from an earlier call, so that runs accumulate in one tracking store.
@@ -17,8 +24,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
     for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
         echo "== $op $model budget ${BUDGET:-8}" | tee -a "$out/bench.log"
-        # SIGINT, not SIGTERM: the flow then stops like a Ctrl-C, closing its runs and its server.
-        timeout -s INT -k 30 "${OP_TIMEOUT:-900}" python3 -m flows.cli optimize --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe \
+        # The flow stops proposing when another candidate would end after OP_TIMEOUT (--wall-clock)
+        # and finishes the one in flight; the hard limit is for a stage that hangs. SIGINT, not
+        # SIGTERM: the flow then stops like a Ctrl-C, closing its runs.
+        timeout -s INT -k 30 "$(( ${OP_TIMEOUT:-900} + ${HARD_MARGIN:-180} ))" python3 -m flows.cli optimize \
+            --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe --wall-clock "${OP_TIMEOUT:-900}" \
             ${EXTRA:-} 2>&1 | grep --line-buffered -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
             | sed -u -E 's/^.* - //' | tee -a "$out/bench.log"
         # After every op, so that a call cut short still brings back what finished.

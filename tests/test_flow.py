@@ -59,3 +59,22 @@ def test_a_resumed_optimization_never_repeats_a_candidate(prefect_server, tracki
     board = leaderboard(tracker, "rmsnorm", "tiny")
     assert board and all(b.score > 0 for b in board)
     assert [b.rank for b in board] == list(range(1, len(board) + 1))
+
+
+def test_no_candidate_starts_that_would_end_after_the_wall_clock():
+    from flows.optimize_op import Progress
+    from flows.pipeline import Outcome
+    from harness.job import Candidate
+    from harness.verdict import Verdict
+    from tracking.ledger import Charge
+
+    progress = Progress(Target(model="tiny", budget={"candidates": 10, "wall_clock_s": 100.0}))
+    assert progress.may_launch(0)  # nothing measured yet: the first always starts
+    cand = Candidate("silu_mul", "template", template="flat", point={"block": 256})
+    charge = Charge()
+    charge.add_stage("compile", 40.0, 0.0)
+    progress.record(Outcome(cand, Verdict(op="silu_mul", candidate_id=cand.id), charge, "run"))
+    assert progress.may_launch(0)  # 40 s each, and nearly all of the 100 s left
+    progress.started -= 61  # 61 s gone: another 40 s candidate would end at 101 s
+    assert not progress.may_launch(0)
+    assert "would end after it" in progress.stop_reason()
