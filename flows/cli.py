@@ -243,11 +243,19 @@ def cmd_gauntlet(args) -> int:
     target = Target(model=args.model, budget={"stage_timeout_s": args.stage_timeout})
     print(f"gauntlet: {len(cases)} cases on {slot.label}", file=sys.stderr)
 
+    rows = []
+
     def progress(row):
+        rows.append(row)
         print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got}",
               file=sys.stderr)
 
-    rows = run_gauntlet(cases, target, slot, progress)
+    try:
+        run_gauntlet(cases, target, slot, progress)
+    except KeyboardInterrupt:  # the cases that finished are still a result: print them
+        print(table(rows, on_gpu=slot.gpu is not None))
+        print(f"\ninterrupted after {len(rows)} of {len(cases)} cases")
+        raise
     print(table(rows, on_gpu=slot.gpu is not None))
     return 0 if all(r.ok for r in rows) else 1
 
