@@ -48,7 +48,7 @@ class Session:
         self.reference = None
 
     def start(self) -> None:
-        self.reference = reference_task(self.target, self.model_dir, self.slots, self.out / "reference")
+        self.reference = reference_task(self.target, self.model_dir, self.slots, self.baseline)
 
     def evaluate(self, cand: EngineCandidate, command: str | None = None) -> EngineOutcome:
         run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand)

@@ -41,8 +41,8 @@ def job_for(target: Target, model_dir: Path, slot: Slot) -> ServeJob:
 
 
 class Baseline:
-    """The baseline server's metrics, measured once, the first time a candidate needs them, on
-    that candidate's slot (the same hardware)."""
+    """The baseline server's metrics, measured once: with the reference's answers when the
+    reference is the baseline, else the first time a candidate needs them, on its slot."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -60,10 +60,14 @@ class Baseline:
 
 
 @task(name="reference", cache_policy=NO_CACHE)
-def reference_task(target: Target, model_dir: Path, slots: list[Slot], out: Path) -> Reference:
-    """The reference server's greedy answers; the held-out prompts are drawn here, from a seed no one sees."""
+def reference_task(target: Target, model_dir: Path, slots: list[Slot], baseline: Baseline) -> Reference:
+    """The reference server's greedy answers (the held-out prompts are drawn here, from a seed
+    no one sees), and the baseline's metrics when the reference is the baseline."""
     rng = random.Random(secrets.randbits(64))
-    return run_leased(slots, lambda slot: reference_answers(job_for(target, model_dir, slot), out, rng))
+    reference, runs = run_leased(slots, lambda slot: reference_answers(job_for(target, model_dir, slot),
+                                                                       baseline.out, rng))
+    baseline.runs = runs
+    return reference
 
 
 @dataclass

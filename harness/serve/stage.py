@@ -59,33 +59,36 @@ def command_argv(command: str, job: ServeJob, port: int) -> list[str]:
     return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME))
 
 
-def baseline_argv(job: ServeJob, port: int) -> list[str]:
-    return reference_argv(job, port) if job.baseline == "reference" else command_argv(job.baseline, job, port)
-
-
-def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> Reference:
-    """Greedy tokens and log-probabilities (with alternatives) of the reference server."""
+def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
+    """Greedy tokens and log-probabilities (with alternatives) of the reference server; and, when
+    the reference is also the baseline, its metrics under every pattern from the same session."""
     prompts = prompt_set(job.model_dir, job.accuracy, rng)
     port = free_port()
-    with ServerProcess("reference", reference_argv(job, port), out / "reference.log", job.env, port) as ref:
+    with ServerProcess("reference", reference_argv(job, port), out / "server.log", job.env, port) as ref:
         ref.start(job.start_timeout_s)
-        return Reference(prompts, [complete(ref.url, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
-                                   for p in prompts])
+        reference = Reference(prompts, [complete(ref.url, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
+                                        for p in prompts])
+        return reference, (_load_baseline(job, ref, out) if job.baseline == "reference" else None)
 
 
 def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
-    """The baseline server under every pattern; a baseline that fails is an error, not a verdict."""
+    """The baseline server (a command's) under every pattern."""
     port = free_port()
-    with ServerProcess("baseline", baseline_argv(job, port), out / "server.log", job.env, port) as server:
+    with ServerProcess("baseline", command_argv(job.baseline, job, port), out / "server.log", job.env, port) as server:
         server.start(job.start_timeout_s)
-        runs = {}
-        for p in job.patterns:
-            runs[p.name] = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
-                                      job.pattern_timeout_s)
-            if not server.alive or runs[p.name].errors:
-                raise ServerError(f"the baseline server failed on pattern {p.name} "
-                                  f"({runs[p.name].errors} failed requests); log: {server.log_tail(300)}")
-        return runs
+        return _load_baseline(job, server, out)
+
+
+def _load_baseline(job: ServeJob, server: ServerProcess, out: Path) -> dict[str, aiperf.PatternRun]:
+    """A baseline that fails under load is an error of the run, not a verdict on a candidate."""
+    runs = {}
+    for p in job.patterns:
+        runs[p.name] = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
+                                  job.pattern_timeout_s)
+        if not server.alive or runs[p.name].errors:
+            raise ServerError(f"the baseline server failed on pattern {p.name} "
+                              f"({runs[p.name].errors} failed requests); log: {server.log_tail(300)}")
+    return runs
 
 
 def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int], list[str]], reference: Reference,
