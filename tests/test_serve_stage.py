@@ -144,3 +144,17 @@ def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
     assert served.verdict.status == "fail"
     assert served.verdict.failing_gate.detail.startswith("1 of 7 metrics short") and "p/itl_p90_ms 9.5" in \
         served.verdict.failing_gate.detail
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-dir", "/no/such/dir"], "not a model directory"),
+    (["--patterns", "nope"], "no traffic pattern nope"),
+    (["--kernels", "/no/such/kernels.json"], "cannot read kernels file"),
+    (["--margin", "-1"], "bad serving settings: margin"),
+])
+def test_serve_bench_usage_errors_are_one_line(capsys, argv, message):
+    args = ["serve-bench", "--model-dir", str(checkpoint("dense")), "--model", "tiny", *argv]
+    capsys.readouterr()  # making the checkpoint prints progress
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
