@@ -260,6 +260,127 @@ def cmd_gauntlet(args) -> int:
     return 0 if all(r.ok for r in rows) else 1
 
 
+def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
+    """The target with its serving settings: the preset's, a --serving file over them, then options."""
+    import yaml
+    from pydantic import ValidationError
+
+    from flows.target import Serving
+
+    target = _target(args, candidates, wall_clock)
+    serving = target.serving.model_dump()
+    if args.serving:
+        try:
+            loaded = yaml.safe_load(Path(args.serving).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read serving file {args.serving}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise UsageError(f"{args.serving}: not valid YAML or JSON ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"{args.serving}: expected a mapping of serving settings (traffic, accuracy, ...)")
+        serving |= loaded
+    if args.baseline:
+        serving["baseline"] = args.baseline
+    if args.margin is not None:
+        serving["margin"] = args.margin
+    if args.patterns:
+        known = [p["name"] for p in serving["traffic"]]
+        unknown = sorted(set(args.patterns) - set(known))
+        if unknown:
+            raise UsageError(f"no traffic pattern {', '.join(unknown)}; the target has {', '.join(known)}")
+        serving["traffic"] = [p for p in serving["traffic"] if p["name"] in args.patterns]
+    try:
+        return target.model_copy(update={"serving": Serving.model_validate(serving)})
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UsageError(f"bad serving settings: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def _model_dir(path: str) -> Path:
+    d = Path(path)
+    if not (d / "config.json").is_file() or not (d / "tokenizer.json").is_file():
+        raise UsageError(f"not a model directory (config.json and tokenizer.json): {path}")
+    return d.resolve()
+
+
+def _kernels(path: str | None) -> dict:
+    """A kernels file as the engine reads it (relative paths resolved), back to its JSON form."""
+    if not path:
+        return {}
+    from engine_templates.engine.config import EngineSetupError
+    from engine_templates.engine.kernels import parse_kernels_file
+
+    try:
+        specs = parse_kernels_file(Path(path))
+    except EngineSetupError as e:
+        raise UsageError(str(e)) from None
+    return {op: {k: v for k, v in vars(spec).items() if v} for op, spec in specs.items()}
+
+
+def _serve_errors():
+    from harness.serve.aiperf import AIPerfError
+    from harness.serve.server import ServerError
+
+    return AIPerfError, ServerError
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def cmd_serve_bench(args) -> int:
+    target = _serve_target(args)
+    model_dir = _model_dir(args.model_dir)
+    kernels = _kernels(args.kernels)
+    from flows.optimize_engine import serve_bench
+
+    try:
+        result = serve_bench(str(model_dir), target, kernels, args.candidate, _pool(args.pool))
+    except _serve_errors() as e:
+        print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    else:
+        rows = [["pattern", "metric", "better", "candidate", "baseline", "vs baseline"]]
+        rows += [[r["pattern"], r["metric"], r["better"], _fmt(r["candidate"]), _fmt(r["baseline"]),
+                  "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3g}x"] for r in result["table"]]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        for g in result["gates"]:
+            print(f"{g['name']}: {'ok' if g['passed'] else 'FAILED'}  {g['detail']}")
+        print(f"verdict: {result['line']}  (MLflow run {result['run_id']})")
+    return 0 if result["verdict"] == "pass" else 1
+
+
+def cmd_optimize_engine(args) -> int:
+    target = _serve_target(args, args.budget, args.wall_clock)
+    model_dir = _model_dir(args.model_dir)
+    include = [{"kernels": _kernels(k)} for k in args.include or []]
+    from flows.optimize_engine import optimize_engine
+
+    try:
+        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include, _pool(args.pool))
+    except _serve_errors() as e:
+        print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
+        return 1
+    return 0 if result["candidates"] else 1
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, help="HF-format checkpoint directory the servers load")
+    p.add_argument("--baseline", help='the server to beat: "reference" (default: the HF transformers reference '
+                                      'server) or a command with {port}, {model_dir}, {name}')
+    p.add_argument("--serving", help="YAML or JSON file of serving settings (traffic, accuracy, margin, baseline)")
+    p.add_argument("--patterns", type=lambda t: [x for x in t.split(",") if x],
+                   help="only these traffic patterns, comma-separated")
+    p.add_argument("--margin", type=float, help="every metric must beat the baseline by this fraction (default 0.02)")
+    p.add_argument("--pool", help="pool.yaml (default: this machine)")
+    _add_target_options(p)
+
+
 def cmd_engine(args) -> int:
     """`infersmith engine generate|serve` (engine_templates/engine/cli.py); a bad model
     directory or kernels file is a usage error."""
@@ -325,6 +446,25 @@ def build_parser() -> argparse.ArgumentParser:
                                              "on a Prefect API without a server)")
     pr.add_argument("--pool", help="pool.yaml (default: this machine)")
     pr.set_defaults(fn=cmd_pool_release)
+
+    sb = sub.add_parser("serve-bench", help="serve the engine (or a command's server) and the baseline under "
+                                            "AIPerf; print the side-by-side table")
+    sb.add_argument("--kernels", help="kernels file for the engine (default: every op eager)")
+    sb.add_argument("--candidate", help="judge the server this command starts instead of the engine "
+                                        "({port}, {model_dir}, {name} are filled in)")
+    sb.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_serve_options(sb)
+    sb.set_defaults(fn=cmd_serve_bench)
+
+    oe = sub.add_parser("optimize-engine", help="search engine configurations end to end against the baseline")
+    oe.add_argument("--budget", type=int, default=8, help="configurations to evaluate (default 8)")
+    oe.add_argument("--seed", type=int, default=0)
+    oe.add_argument("--kernels-per-op", type=int, default=2,
+                    help="best GPU-timed leaderboard kernels offered per op besides eager (default 2)")
+    oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
+    oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    _add_serve_options(oe)
+    oe.set_defaults(fn=cmd_optimize_engine)
 
     en = sub.add_parser("engine", help="the LLM engine: generate text, or serve an OpenAI-compatible API")
     from engine_templates.engine.cli import add_commands

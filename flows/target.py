@@ -2,12 +2,15 @@
 renders them as a form and a bad value is refused before anything runs."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      field_validator, model_validator)
 
 from engine_templates.models import PRESETS, ModelDims
 from harness.job import Rules
+from harness.serve.job import AccuracyRules, Pattern
 
 GPUClass = Literal["any", "cpu", "h100", "h200", "b200"]
 DType = Literal["bf16", "fp16", "fp32"]
@@ -42,6 +45,103 @@ class Budget(BaseModel):
     stage_timeout_s: PositiveFloat = Field(600.0, description="time limit of one stage of one candidate")
 
 
+class TrafficPattern(BaseModel):
+    """One AIPerf workload the end-to-end stage loads every server with."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$", description="names the pattern's metrics: <name>/<metric>")
+    endpoint: Literal["chat", "completions"] = "chat"
+    concurrency: PositiveInt | None = Field(1, description="requests kept in flight (or set request_rate)")
+    request_rate: PositiveFloat | None = Field(None, description="requests per second, Poisson arrivals")
+    input_tokens_mean: PositiveInt = 128
+    input_tokens_stddev: NonNegativeInt = 0
+    output_tokens_mean: PositiveInt = 128
+    output_tokens_stddev: NonNegativeInt = 0
+    dataset: str = Field("synthetic", description='"synthetic" (AIPerf\'s prompts of the lengths above), '
+                         '"structured" (repetitive CSV and JSON records), or a JSONL file of {"text": ...} lines')
+    request_count: PositiveInt | None = Field(32, description="requests measured (or set duration_s)")
+    duration_s: PositiveFloat | None = None
+    warmup_requests: NonNegativeInt = Field(2, description="requests sent first and not measured")
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> TrafficPattern:
+        if (self.concurrency is None) == (self.request_rate is None):
+            raise ValueError(f"pattern {self.name}: set exactly one of concurrency and request_rate")
+        if (self.request_count is None) == (self.duration_s is None):
+            raise ValueError(f"pattern {self.name}: set exactly one of request_count and duration_s")
+        if self.dataset not in ("synthetic", "structured") and not Path(self.dataset).is_file():
+            raise ValueError(f"pattern {self.name}: dataset {self.dataset!r} is not synthetic, structured or a file")
+        return self
+
+    def to_job(self) -> Pattern:
+        return Pattern(**self.model_dump())
+
+
+# The production questions: one user chatting, one user with a long document, a busy server,
+# and text whose tokens repeat (records, logs, code).
+DEFAULT_TRAFFIC = [
+    TrafficPattern(name="chat-short", concurrency=1, input_tokens_mean=128, output_tokens_mean=128, request_count=32),
+    TrafficPattern(name="long-prompt", endpoint="completions", concurrency=1, input_tokens_mean=3072,
+                   output_tokens_mean=128, request_count=16),
+    TrafficPattern(name="concurrency-32", concurrency=32, input_tokens_mean=512, input_tokens_stddev=128,
+                   output_tokens_mean=256, request_count=256, warmup_requests=32),
+    TrafficPattern(name="structured", dataset="structured", concurrency=1, input_tokens_mean=512,
+                   output_tokens_mean=256, request_count=32),
+]
+# The same four questions at the tiny checkpoints' scale (a 512-token context, a CPU).
+TINY_TRAFFIC = [
+    TrafficPattern(name="chat-short", concurrency=1, input_tokens_mean=32, output_tokens_mean=16, request_count=8),
+    TrafficPattern(name="long-prompt", endpoint="completions", concurrency=1, input_tokens_mean=320,
+                   output_tokens_mean=16, request_count=4),
+    TrafficPattern(name="concurrency-32", concurrency=32, input_tokens_mean=64, output_tokens_mean=16,
+                   request_count=64, warmup_requests=4),
+    TrafficPattern(name="structured", dataset="structured", concurrency=1, input_tokens_mean=96,
+                   output_tokens_mean=16, request_count=8),
+]
+# Per dtype, in nats: well above what a correct engine shows against transformers (README:
+# ~3e-6 in fp32, under 0.1 in bf16), far below a wrong token's.
+DEFAULT_LOGPROB_ATOL = {"bf16": 0.1, "fp16": 0.05, "fp32": 1e-3}
+SHOWN_PROMPTS = ["Hello world! How are you today?", "The quick brown fox jumps over the lazy dog.",
+                 "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols: + - * / =",
+                 "A small engine serves a model, one token at a time."]
+
+
+class Accuracy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompts: list[str] = Field(default_factory=lambda: list(SHOWN_PROMPTS), description="shown prompts")
+    held_out: NonNegativeInt = Field(4, description="random token-id prompts drawn per run, never logged")
+    held_out_tokens: PositiveInt = 32
+    max_tokens: PositiveInt = Field(32, description="greedy tokens compared per prompt")
+    logprob_atol: PositiveFloat | None = Field(None, description="nats; default per dtype")
+    tie_nats: PositiveFloat | None = Field(None, description="a different greedy token passes only where the "
+                                                               "reference's two candidates are this close; default logprob_atol")
+
+
+class Serving(BaseModel):
+    """The end-to-end stage: traffic, accuracy, what to beat and by how much."""
+
+    model_config = ConfigDict(extra="forbid")
+    traffic: list[TrafficPattern] = Field(default_factory=lambda: list(DEFAULT_TRAFFIC), min_length=1)
+    accuracy: Accuracy = Field(default_factory=Accuracy)
+    margin: NonNegativeFloat = Field(0.02, description="every metric must beat the baseline's by this fraction")
+    baseline: str = Field("reference", description='"reference" (the HF transformers reference server) or a '
+                          'command starting an OpenAI-compatible server, with {port}, {model_dir}, {name}')
+    max_model_len: PositiveInt = 4096
+    start_timeout_s: PositiveFloat = Field(600.0, description="seconds a server may take to answer /v1/models")
+
+    @field_validator("traffic")
+    @classmethod
+    def _unique(cls, v: list[TrafficPattern]) -> list[TrafficPattern]:
+        names = [p.name for p in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"traffic pattern names repeat: {names}")
+        return v
+
+
+TINY_SERVING = Serving(traffic=TINY_TRAFFIC, max_model_len=512,
+                       accuracy=Accuracy(held_out_tokens=16, max_tokens=8))
+
+
 class Target(BaseModel):
     """A model preset, a precision, the shapes of its traffic, where to run, what to beat."""
 
@@ -53,13 +153,14 @@ class Target(BaseModel):
     rtol: PositiveFloat | None = Field(None, description="relative-error tolerance; default per dtype")
     seeds: PositiveInt = Field(3, description="fresh random input sets per shape in the check stage")
     budget: Budget = Field(default_factory=Budget)
+    serving: Serving = Field(default_factory=Serving)
 
     @model_validator(mode="before")
     @classmethod
     def _tiny_workload(cls, data):
         # The tiny presets run under the CPU interpreter: their default workload is tiny too.
-        if isinstance(data, dict) and is_tiny(data.get("model", "")) and "workload" not in data:
-            data = {**data, "workload": TINY_WORKLOAD.model_dump()}
+        if isinstance(data, dict) and is_tiny(data.get("model", "")):
+            data = {"workload": TINY_WORKLOAD.model_dump(), "serving": TINY_SERVING.model_dump(), **data}
         return data
 
     @field_validator("model")
@@ -85,3 +186,15 @@ class Target(BaseModel):
         w = self.workload
         return (f"{self.model}/{self.dtype}/d{'-'.join(map(str, w.decode_batches))}"
                 f"/p{'-'.join(map(str, w.prefill_tokens))}/c{'-'.join(map(str, w.contexts))}")
+
+    def serve_key(self) -> str:
+        """What makes two end-to-end runs comparable: model, dtype, traffic, baseline, margin."""
+        import hashlib
+
+        body = self.serving.model_dump_json(exclude={"start_timeout_s"})
+        return f"{self.model}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
+
+    def accuracy_rules(self) -> AccuracyRules:
+        a = self.serving.accuracy
+        atol = a.logprob_atol or DEFAULT_LOGPROB_ATOL[self.dtype]
+        return AccuracyRules(tuple(a.prompts), a.held_out, a.held_out_tokens, a.max_tokens, atol, a.tie_nats or atol)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download, for a GPU host that has torch and triton but no package index, the wheels that
-# running the controller there (`infersmith optimize` with local Prefect and MLflow) needs.
+# running the controller there (`infersmith optimize`, `serve-bench` with local Prefect and MLflow,
+# and AIPerf, the end-to-end stage's load generator) needs.
 # Packages the host already has (its `pip list`, one name a line, in HAVE) are left out.
 # Usage: HAVE=host-packages.txt bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
 set -euo pipefail
@@ -13,7 +14,7 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 done
 python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
     "${plats[@]}" -d "$all" "prefect>=3.4,<4" "mlflow-skinny>=3.1,<4" "sqlalchemy>=2" alembic \
-    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml
+    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "aiperf>=0.13,<0.14"
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }
 # Cloud-only pieces that a local run never imports (S3 artifacts are not used there).

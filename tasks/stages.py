@@ -6,6 +6,7 @@ from prefect.cache_policies import NO_CACHE
 
 from gpu_pool.executors import run_stage
 from harness.job import Candidate
+from harness.serve.stage import serve
 from proposers.base import Trial
 from engine_templates.ops import get_op
 
@@ -25,3 +26,8 @@ compile_stage = task(name="compile", cache_policy=NO_CACHE)(run_stage)
 check_stage = task(name="check", cache_policy=NO_CACHE)(run_stage)
 microbench_stage = task(name="microbench", cache_policy=NO_CACHE)(run_stage)
 STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microbench_stage}
+
+
+
+# The end-to-end stage: servers and AIPerf in subprocesses on the leased slot (harness/serve).
+serve_stage = task(name="serve", cache_policy=NO_CACHE)(serve)

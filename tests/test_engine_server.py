@@ -114,6 +114,15 @@ def test_concurrent_requests_each_get_their_own_answer(server):
     assert len(set(alone)) == len(alone)
 
 
+def test_logprobs_of_the_chosen_tokens_on_whole_completions(server):
+    out = complete(server, PROMPTS[0], logprobs=0, return_tokens_as_token_ids=True)
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 12 and all(t.startswith("token_id:") for t in lp["tokens"])
+    assert all(x <= 0 for x in lp["token_logprobs"]) and lp["top_logprobs"] is None
+    named = complete(server, PROMPTS[0], logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    assert "".join(named) == out["choices"][0]["text"]  # ignore_eos: no stop token in the text
+
+
 def test_stop_string_ends_the_text(server):
     text = complete(server, PROMPTS[0])["choices"][0]["text"]
     stop = text[4:6]
@@ -127,6 +136,9 @@ def test_stop_string_ends_the_text(server):
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 0, "stream": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, None),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.entities import Run, ViewType
 
@@ -73,4 +74,31 @@ def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int 
                          t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
         if len(out) >= limit:
             break
+    return out
+
+
+def engine_trials(tracker: Tracker, scope: RunScope) -> set[str]:
+    """The ids of every engine configuration tried for this target and pool class."""
+    return {run.data.tags.get(f"{T}candidate_id", "") for run in
+            search(tracker, scope.op, target=scope.target_key, template="engine", pool_class=scope.gpu_class)}
+
+
+def kernel_choices(tracker: Tracker, model: str, per_op: int, dest: Path) -> dict[str, list[dict]]:
+    """Per engine op: eager, then the best `per_op` passed candidates of its leaderboard that were
+    timed on a GPU, as kernels-file choices (a free candidate's source is fetched into dest)."""
+    from engine_templates.engine.kernels import ENGINE_OPS
+
+    out = {}
+    for op in ENGINE_OPS:
+        choices = [{"impl": "eager"}]
+        for entry in [e for e in leaderboard(tracker, op, model, limit=50) if e.gpu_timing][:per_op]:
+            cand = Candidate.from_dict(json.loads(tracker.client.get_run(entry.run_id).data.tags[f"{T}candidate"]))
+            if cand.kind == "template":
+                choices.append({"impl": "template", "template": cand.template, "point": cand.point})
+            else:
+                path = dest / f"{op}-{cand.id}.py"
+                dest.mkdir(parents=True, exist_ok=True)
+                path.write_text(cand.source)
+                choices.append({"impl": "free", "path": str(path)})
+        out[op] = choices
     return out

@@ -23,6 +23,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from harness.job import Candidate
+from harness.serve.job import EngineCandidate
 from harness.verdict import CRASH, Verdict
 from tracking.ledger import Charge
 from tracking.store import TrackingConfig, client, experiment_id
@@ -110,20 +111,39 @@ class Tracker:
 
     def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
                          template_source: str | None = None) -> None:
-        failing = verdict.failing_gate
-        tags = {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
-                f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
-                f"{T}gpu_index": "" if charge.gpu_index is None else str(charge.gpu_index),
-                f"{T}held": json.dumps(charge.held),
-                f"{T}device": verdict.device.get("name", ""),
-                **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
-                f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
-        _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics()}, tags=tags)
+        _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics()}, tags=_finish_tags(verdict, charge))
         if cand.source is not None:
             self.client.log_text(run_id, cand.source, "candidate/candidate.py")
         if template_source is not None:
             self.client.log_text(run_id, template_source, f"candidate/{cand.template}.py")
             self.client.log_dict(run_id, cand.point, "candidate/point.json")
+        self.client.log_text(run_id, verdict.to_json(), "verdict.json")
+        self.client.set_terminated(run_id, "FAILED" if verdict.status == CRASH else "FINISHED")
+
+    # -- engine configurations (the end-to-end stage) ------------------------------
+    def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate) -> str:
+        tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
+                f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
+                f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(cand.to_dict(), sort_keys=True),
+                f"{T}proposer": cand.origin, f"{T}template": "engine", f"{T}pool_class": scope.gpu_class,
+                f"{T}gpu_class": scope.gpu_class}
+        run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
+        params = {"candidate.id": cand.id, "engine.block_size": cand.block_size,
+                  "engine.max_num_seqs": cand.max_num_seqs,
+                  "engine.max_num_batched_tokens": cand.max_num_batched_tokens,
+                  "engine.cuda_graph_max_batch": cand.cuda_graph_max_batch}
+        params |= {f"kernel.{op}": c.get("template") or c["impl"] for op, c in cand.kernels.items()}
+        _batch(self.client, run.info.run_id, params=params)
+        return run.info.run_id
+
+    def finish_engine_candidate(self, run_id: str, verdict: Verdict, metrics: dict[str, float], charge: Charge,
+                                artifacts: Path | None) -> None:
+        """Per-pattern metrics `<pattern>/<metric>` beside the baseline's; AIPerf's exports, the
+        server's log and the kernels file as artifacts, whatever the verdict."""
+        _batch(self.client, run_id, metrics={**metrics, **charge.metrics(), "serve_wall_s": verdict.wall_s},
+               tags=_finish_tags(verdict, charge))
+        if artifacts is not None and artifacts.is_dir():
+            self.client.log_artifacts(run_id, str(artifacts), "serve")
         self.client.log_text(run_id, verdict.to_json(), "verdict.json")
         self.client.set_terminated(run_id, "FAILED" if verdict.status == CRASH else "FINISHED")
 
@@ -152,6 +172,17 @@ class Tracker:
         self.client.set_tag(run_id, f"{T}requeued_to", requeued_to)
         self.client.set_terminated(run_id, "KILLED")
         self.client.delete_run(run_id)
+
+
+def _finish_tags(verdict: Verdict, charge: Charge) -> dict[str, str]:
+    failing = verdict.failing_gate
+    return {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
+            f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
+            f"{T}gpu_index": "" if charge.gpu_index is None else str(charge.gpu_index),
+            f"{T}held": json.dumps(charge.held),
+            f"{T}device": verdict.device.get("name", ""),
+            **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
+            f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
 
 
 def _start_ticks(pid: int) -> str:

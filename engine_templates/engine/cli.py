@@ -1,4 +1,4 @@
-"""`engine generate` and `engine serve`: shared by `infersmith engine ...` and, on a GPU host
+"""`engine generate`, `engine serve` and `engine serve-reference`: shared by `infersmith engine ...` and, on a GPU host
 without the controller's packages, `python -m engine_templates.engine ...`.
 
 Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    """Adds `generate` and `serve` to an argparse subparsers object (each sets `engine_fn`)."""
+    """Adds `generate`, `serve` and `serve-reference` to an argparse subparsers object (each sets `engine_fn`)."""
     g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
     _add_engine_options(g)
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
@@ -36,6 +36,16 @@ def add_commands(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     s.set_defaults(engine_fn=cmd_serve)
+    r = sub.add_parser("serve-reference", help="serve a model directory through HF transformers (greedy, one "
+                                               "request at a time): the accuracy reference and speed baseline")
+    r.add_argument("--model-dir", required=True, type=Path)
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    r.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    r.add_argument("--max-model-len", type=int, default=4096)
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    r.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    r.set_defaults(engine_fn=cmd_serve_reference)
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -51,6 +61,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill step; longer prompts are chunked")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: as many as memory allows")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32,64",
+                   help="decode batch sizes captured as CUDA graphs, comma-separated")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -63,7 +76,13 @@ def engine_config(args):
     kernels = parse_kernels_file(args.kernels) if args.kernels else {}
     extra = {"device": args.device} if args.device else {}
     try:
+        graph_sizes = tuple(int(b) for b in args.cuda_graph_batch_sizes.split(","))
+    except ValueError:
+        raise EngineSetupError(f"--cuda-graph-batch-sizes: expected integers separated by commas, "
+                               f"got {args.cuda_graph_batch_sizes!r}") from None
+    try:
         return EngineConfig(model_dir=args.model_dir, dtype=args.dtype, kernels=kernels,
+                            cuda_graph_batch_sizes=graph_sizes, block_size=args.block_size,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
@@ -128,6 +147,23 @@ def cmd_serve(args) -> int:
 
     try:
         asyncio.run(serve_forever())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_serve_reference(args) -> int:
+    import torch
+
+    from engine_templates.engine.config import ModelConfig
+    from engine_templates.engine.reference_server import ReferenceState, serve
+
+    ModelConfig.from_dir(args.model_dir)  # a bad directory is one line, before transformers loads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = args.served_model_name or Path(args.model_dir).resolve().name
+    state = ReferenceState(args.model_dir, name, args.dtype, device, args.max_model_len)
+    try:
+        asyncio.run(serve(state, args.host, args.port))
     except KeyboardInterrupt:
         pass
     return 0

@@ -27,6 +27,8 @@ class Update:
     completion_tokens: int = 0
     error: str | None = None  # the request was refused (a client error) or the engine failed
     server_error: bool = False
+    token_ids: tuple[int, ...] = ()  # on the last update only: every completion token
+    logprobs: tuple[float, ...] = ()  # and the log-probability of each
 
 
 class Request:
@@ -109,6 +111,8 @@ class EngineLoop:
         delta, request.sent = text[request.sent:], len(text)
         if seq.is_finished:
             del self._active[seq.seq_id]
-        if delta or seq.is_finished:
-            request.push(Update(delta, seq.finish_reason, seq.num_prompt_tokens,
-                                seq.num_completion_tokens))
+        if seq.is_finished:
+            request.push(Update(delta, seq.finish_reason, seq.num_prompt_tokens, seq.num_completion_tokens,
+                                token_ids=tuple(seq.completion_token_ids), logprobs=tuple(seq.logprobs)))
+        elif delta:
+            request.push(Update(delta, None, seq.num_prompt_tokens, seq.num_completion_tokens))

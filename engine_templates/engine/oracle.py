@@ -11,12 +11,12 @@ from engine_templates.engine.config import DTYPES
 
 
 class HFOracle:
-    def __init__(self, model_dir: Path, dtype: str = "fp32", device: str = "cpu"):
+    def __init__(self, model_dir: Path, dtype: str = "fp32", device: str = "cpu", attention: str = "eager"):
         from transformers import AutoModelForCausalLM
 
-        # Eager attention: the plainest of transformers' attention paths, no fused kernel.
+        # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], attn_implementation="eager").to(device).eval()
+            str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention).to(device).eval()
         self.device = device
 
     @torch.inference_mode()

@@ -64,11 +64,27 @@ def chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
+def requested_logprobs(body: dict, chat: bool, max_top: int) -> int | None:
+    """How many alternatives per token a request asks log-probabilities for (OpenAI's legacy
+    completions `logprobs`: the chosen token's always, plus the top N); None: not asked.
+    Only whole (not streamed) completions carry them here."""
+    if chat:
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs"):
+            raise APIError("logprobs are supported on /v1/completions only", param="logprobs")
+        return None
+    n = _field(body, "logprobs", (int,), None) if body.get("logprobs") is not False else None
+    if n is None:
+        return None
+    if not 0 <= n <= max_top:
+        raise APIError(f"logprobs must be between 0 and {max_top} on this server", param="logprobs")
+    if body.get("stream"):
+        raise APIError("logprobs are returned on whole completions only, not streamed", param="logprobs")
+    return n
+
+
 def sampling_params(body: dict, chat: bool, default_max_tokens: int) -> SamplingParams:
     if _field(body, "n", (int,), 1) != 1:
         raise APIError("only n=1 is supported", param="n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
-        raise APIError("logprobs are not supported by this server", param="logprobs")
     if body.get("best_of") not in (None, 1):
         raise APIError("best_of is not supported", param="best_of")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \

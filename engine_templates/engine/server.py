@@ -17,7 +17,8 @@ from aiohttp import web
 
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.engine_loop import EngineLoop, Request, Update
-from engine_templates.engine.request_params import APIError, chat_prompt, completion_prompt, sampling_params
+from engine_templates.engine.request_params import (APIError, chat_prompt, completion_prompt, requested_logprobs,
+                                                    sampling_params)
 
 log = logging.getLogger("infersmith.engine")
 STATE = web.AppKey("state", object)
@@ -99,6 +100,8 @@ async def _generate(request, body, prompt: list[int], chat: bool, default_max_to
         raise APIError(state.loop.failure, status=503, type_="server_error")
     limit = state.engine.config.max_model_len
     params = sampling_params(body, chat, default_max_tokens or max(1, limit - len(prompt)))
+    # The engine keeps the chosen token's log-probability only, so no alternatives (logprobs=0).
+    logprobs = requested_logprobs(body, chat, max_top=0)
     if len(prompt) + params.max_tokens > limit:
         raise APIError(f"this model's maximum context length is {limit} tokens; the prompt has "
                        f"{len(prompt)} and max_tokens is {params.max_tokens}",
@@ -142,7 +145,9 @@ async def _generate(request, body, prompt: list[int], chat: bool, default_max_to
             text.append(update.text)
             if update.finish_reason:
                 finished = True
-                return web.json_response(reply.whole("".join(text), update))
+                choice_logprobs = None if logprobs is None else token_logprobs(
+                    state.engine.tokenizer, update.token_ids, update.logprobs, body)
+                return web.json_response(reply.whole("".join(text), update, choice_logprobs))
     finally:
         if not finished:  # the client went away, or the request failed: free its cache blocks
             state.loop.abort(req)
@@ -188,12 +193,31 @@ class _Reply:
     def usage_chunk(self, update: Update) -> dict:
         return {**self._head(True), "choices": [], "usage": self._usage(update)}
 
-    def whole(self, text: str, update: Update) -> dict:
+    def whole(self, text: str, update: Update, logprobs: dict | None = None) -> dict:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": update.finish_reason}
                   if self.chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": update.finish_reason})
+                  {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": update.finish_reason})
         return {**self._head(False), "choices": [choice], "usage": self._usage(update)}
+
+
+def token_logprobs(tokenizer, token_ids, logprobs, body: dict, top: list[dict] | None = None) -> dict:
+    """OpenAI's legacy completions `logprobs` object. Tokens are their text, or "token_id:<id>"
+    when the request sets vLLM's `return_tokens_as_token_ids` (text cannot tell ids apart)."""
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+    def name(t: int) -> str:
+        return f"token_id:{t}" if as_ids else tokenizer.decode([t])
+
+    out = {"tokens": [name(t) for t in token_ids], "token_logprobs": list(logprobs),
+           "top_logprobs": None, "text_offset": []}
+    if top is not None:
+        out["top_logprobs"] = [{name(t): lp for t, lp in alternatives.items()} for alternatives in top]
+    offset = 0
+    for t in token_ids:
+        out["text_offset"].append(offset)
+        offset += len(tokenizer.decode([t]))
+    return out
 
 
 def create_app(engine: LLMEngine, model_name: str) -> web.Application:

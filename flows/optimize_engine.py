@@ -1,0 +1,136 @@
+"""optimize_engine: propose engine configurations -> serve each end to end (accuracy, AIPerf on
+every traffic pattern, every metric against the baseline) until the budget; serve_bench: the
+stage once, for one configuration or one server command."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from prefect import flow
+
+from flows.serve_pipeline import Baseline, EngineOutcome, evaluate_engine, one_line, reference_task
+from flows.target import Target
+from gpu_pool.leases import ensure_limits
+from gpu_pool.pool import Pool, local_pool
+from harness.serve.aiperf import METRICS
+from harness.serve.job import EngineCandidate
+from harness.verdict import PASS
+from proposers.engine import propose_engines
+from tracking.history import engine_trials, kernel_choices
+from tracking.schema import RunScope, Tracker
+from tracking.store import TrackingConfig
+
+OP = "engine"  # the MLflow experiment of engine runs: infersmith-engine
+
+
+class Session:
+    """What every candidate of one flow shares: the pool's slots, tracking, the parent run, a
+    scratch folder, the reference's answers and the baseline."""
+
+    def __init__(self, kind: str, name: str, model_dir: Path, target: Target, pool: Pool | None, params: dict):
+        self.model_dir, self.target = Path(model_dir), target
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"not a model directory: {model_dir} has no config.json")
+        pool = pool or local_pool()
+        self.slots = pool.slots(target.gpu_class)
+        if not self.slots:
+            raise ValueError(f"the pool has no host of GPU class {target.gpu_class!r}")
+        classes = {s.host.gpu_class for s in self.slots}
+        self.scope = RunScope(OP, target.model, target.serve_key(), classes.pop() if len(classes) == 1 else "mixed")
+        ensure_limits(pool)
+        self.tracker = Tracker(TrackingConfig.from_env())
+        self.parent = self.tracker.start_parent(kind, self.scope, name, params={
+            "target": target.model_dump(mode="json"), "model_dir": str(self.model_dir), **params})
+        self.out = Path(tempfile.mkdtemp(prefix="infersmith-serve-"))
+        self.baseline = Baseline(self.out / "baseline")
+        self.reference = None
+
+    def start(self) -> None:
+        self.reference = reference_task(self.target, self.model_dir, self.slots, self.baseline)
+
+    def evaluate(self, cand: EngineCandidate, command: str | None = None) -> EngineOutcome:
+        run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand)
+        return evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker, self.reference,
+                               self.baseline, self.out / cand.id, command)
+
+    def finish(self, metrics: dict[str, float]) -> None:
+        self.tracker.finish_parent(self.parent, metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()}, {})
+        if (self.out / "baseline").is_dir():
+            self.tracker.client.log_artifacts(self.parent, str(self.out / "baseline"), "baseline")
+        shutil.rmtree(self.out, ignore_errors=True)
+
+    def fail(self, e: BaseException) -> None:
+        self.tracker.fail_parent(self.parent, f"{type(e).__name__}: {e}")
+        shutil.rmtree(self.out, ignore_errors=True)
+
+
+@flow(name="optimize-engine", log_prints=True)
+def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, kernels_per_op: int = 2,
+                    include: list[dict] | None = None, pool: Pool | None = None) -> dict:
+    """Engine configurations for one model directory, one at a time through the serve stage, each
+    a child run of `infersmith-engine`. `include`: configurations (EngineCandidate fields) to try
+    first; then random ones over the op leaderboards' kernels and the engine's knobs."""
+    s = Session("engine-optimization", f"optimize engine {Path(model_dir).name}", Path(model_dir), target, pool,
+                {"seed": seed, "kernels_per_op": kernels_per_op, "include": include or []})
+    queue = [EngineCandidate.from_dict({"origin": "include", **d}) for d in include or []]
+    done, passed, best, started = 0, 0, None, time.monotonic()
+    try:
+        s.start()
+        options = kernel_choices(s.tracker, target.model, kernels_per_op, s.out / "kernels")
+        tried = engine_trials(s.tracker, s.scope)
+        on_gpu = any(slot.gpu is not None for slot in s.slots)
+        print(f"optimizing the engine on {model_dir} for {s.scope.target_key} against {target.serving.baseline} "
+              f"on {', '.join(slot.label for slot in s.slots)}; tracking run {s.parent}")
+        while done < target.budget.candidates and time.monotonic() - started < target.budget.wall_clock_s:
+            fresh = [c for c in queue if c.id not in tried][:1] or propose_engines(options, tried, 1, seed, on_gpu)
+            if not fresh:
+                break
+            cand = fresh[0]
+            queue = [c for c in queue if c.id != cand.id]
+            tried.add(cand.id)
+            outcome = s.evaluate(cand)
+            done += 1
+            score = outcome.metrics.get("score") if outcome.verdict.status == PASS else None
+            passed += score is not None
+            best = max(best or 0.0, score) if score is not None else best
+            print(f"[{done}/{target.budget.candidates}] {cand.label}: {one_line(outcome)}")
+    except BaseException as e:
+        s.fail(e)
+        raise
+    metrics = {"candidates": done, "passed": passed} | ({"best_score": best} if best is not None else {})
+    s.finish(metrics)
+    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {best:.3g}x" if best else ""))
+    return {"parent_run_id": s.parent, **metrics}
+
+
+@flow(name="serve-bench", log_prints=True)
+def serve_bench(model_dir: str, target: Target = Target(), kernels: dict | None = None,
+                candidate_command: str | None = None, pool: Pool | None = None) -> dict:
+    """The serve stage once: the engine with `kernels` (or the server `candidate_command` starts)
+    against the baseline. Returns the verdict, the metrics and a side-by-side table."""
+    cand = EngineCandidate(kernels=kernels or {}, origin="serve-bench")
+    s = Session("serve-bench", f"serve-bench {Path(model_dir).name}", Path(model_dir), target, pool,
+                {"kernels": kernels or {}, "candidate_command": candidate_command or ""})
+    try:
+        s.start()
+        outcome = s.evaluate(cand, candidate_command)
+    except BaseException as e:
+        s.fail(e)
+        raise
+    s.finish({"candidates": 1, "passed": float(outcome.verdict.status == PASS)})
+    return {"verdict": outcome.verdict.status, "line": one_line(outcome), "run_id": outcome.run_id,
+            "parent_run_id": s.parent, "gates": [g.__dict__ for g in outcome.verdict.gates],
+            "table": side_by_side(outcome, target)}
+
+
+def side_by_side(o: EngineOutcome, target: Target) -> list[dict]:
+    """One row per pattern and metric: candidate, baseline, candidate's advantage (>1: better)."""
+    rows = []
+    for p in target.serving.traffic:
+        for name, (_, _, higher) in METRICS.items():
+            c, b = o.metrics.get(f"{p.name}/{name}"), o.metrics.get(f"{p.name}/baseline_{name}")
+            rows.append({"pattern": p.name, "metric": name, "better": "higher" if higher else "lower",
+                         "candidate": c, "baseline": b, "vs_baseline": o.metrics.get(f"{p.name}/vs_baseline_{name}")})
+    return rows

@@ -1,0 +1,120 @@
+"""One server through the serve stage on a leased slot, logged as one tracking child run;
+the reference's answers and the baseline's metrics it is judged against."""
+from __future__ import annotations
+
+import random
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.target import Target
+from gpu_pool.dispatch import run_leased
+from gpu_pool.local import WORKER_ROOT
+from gpu_pool.pool import Slot
+from harness.serve.aiperf import PatternRun
+from harness.serve.job import EngineCandidate, ServeJob
+from harness.serve.stage import Reference, Served, compare, measure_baseline, reference_answers
+from harness.verdict import PASS, Verdict
+from tasks.stages import serve_stage
+from tracking.ledger import Charge
+from tracking.schema import Tracker
+
+
+def job_for(target: Target, model_dir: Path, slot: Slot) -> ServeJob:
+    if not slot.host.is_local:
+        raise ValueError(f"the serve stage runs on this machine's slots only for now; {slot.label} is a remote host")
+    s = target.serving
+    env = {"PYTHONPATH": str(WORKER_ROOT), "CUDA_VISIBLE_DEVICES": "" if slot.gpu is None else str(slot.gpu)}
+    if slot.gpu is None:
+        env["TRITON_INTERPRET"] = "1"  # a template kernel in the engine runs in Triton's interpreter
+    return ServeJob(model_dir=Path(model_dir).resolve(), dtype=target.dtype, device="cpu" if slot.gpu is None else "cuda",
+                    env=env, max_model_len=s.max_model_len, patterns=tuple(p.to_job() for p in s.traffic),
+                    accuracy=target.accuracy_rules(), margin=s.margin, baseline=s.baseline,
+                    start_timeout_s=s.start_timeout_s, pattern_timeout_s=target.budget.stage_timeout_s,
+                    python=sys.executable)
+
+
+class Baseline:
+    """The baseline server's metrics, measured once: with the reference's answers when the
+    reference is the baseline, else the first time a candidate needs them, on its slot."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.runs: dict[str, PatternRun] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, job: ServeJob) -> dict[str, PatternRun]:
+        with self._lock:
+            if self.runs is None:
+                self.runs = measure_baseline(job, self.out)
+            return self.runs
+
+    def metrics(self) -> dict[str, float]:
+        return {f"{p}/{k}": v for p, run in (self.runs or {}).items() for k, v in run.metrics.items()}
+
+
+@task(name="reference", cache_policy=NO_CACHE)
+def reference_task(target: Target, model_dir: Path, slots: list[Slot], baseline: Baseline) -> Reference:
+    """The reference server's greedy answers (the held-out prompts are drawn here, from a seed
+    no one sees), and the baseline's metrics when the reference is the baseline."""
+    rng = random.Random(secrets.randbits(64))
+    reference, runs = run_leased(slots, lambda slot: reference_answers(job_for(target, model_dir, slot),
+                                                                       baseline.out, rng))
+    baseline.runs = runs
+    return reference
+
+
+@dataclass
+class EngineOutcome:
+    candidate: EngineCandidate
+    verdict: Verdict
+    metrics: dict[str, float]
+    charge: Charge
+    run_id: str
+
+
+@task(name="evaluate-engine", cache_policy=NO_CACHE)
+def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_dir: Path, slots: list[Slot],
+                    tracker: Tracker, reference: Reference, baseline: Baseline, out: Path,
+                    command: str | None = None) -> EngineOutcome:
+    """The candidate (an engine configuration, or the server `command` starts) on a leased slot:
+    accuracy, load, then the all-metrics gate against the baseline; recorded whatever happens."""
+    charge = Charge()
+
+    def attempt(slot: Slot) -> Served:
+        charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
+        start, t0 = time.time(), time.monotonic()
+        try:
+            job = job_for(target, model_dir, slot)
+            served = serve_stage(job, cand, reference, out, command)
+            if served.verdict.status == PASS:
+                compare(served, baseline.get(job), target.serving.margin)
+            return served
+        finally:
+            charge.add_stage("serve", time.monotonic() - t0, slot.usd_per_second)
+            charge.held.append((slot.label, start, time.time()))
+
+    try:
+        served = run_leased(slots, attempt)
+    except BaseException as e:  # cancelled, interrupted, or the baseline failed: record it, then propagate
+        verdict = Verdict(op="engine", candidate_id=cand.id)
+        verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
+        tracker.finish_engine_candidate(run_id, verdict, {}, charge, out)
+        raise
+    tracker.finish_engine_candidate(run_id, served.verdict, served.metrics, charge, out)
+    return EngineOutcome(cand, served.verdict, served.metrics, charge, run_id)
+
+
+def one_line(o: EngineOutcome) -> str:
+    v = o.verdict
+    if v.status == PASS:
+        return f"pass  score {o.metrics.get('score', float('nan')):.3g}x vs baseline (worst metric " \
+               f"{o.metrics.get('worst_vs_baseline', float('nan')):.3g}x)"
+    gate = v.failing_gate
+    return f"{v.status}  [{gate.name}] {gate.detail}" if gate else v.status

@@ -1,0 +1,179 @@
+"""The serve stage, in the order that wastes least: the reference's answers first (the HF
+transformers reference server), then the candidate server — accuracy before any load, then
+AIPerf on every pattern — and the baseline under the same load only for a candidate worth
+comparing. Each server runs alone on the slot, so no two share the GPU."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from harness.serve import aiperf
+from harness.serve.accuracy import REFERENCE_TOP, Completion, complete, judge, prompt_set
+from harness.serve.job import EngineCandidate, ServeJob
+from harness.serve.server import ServerError, ServerProcess, free_port
+from harness.verdict import PASS, Verdict
+
+SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
+READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
+
+
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    completions: list[Completion]
+
+
+@dataclass
+class Served:
+    """One server's evaluation: the verdict and, per pattern it finished, AIPerf's metrics."""
+
+    verdict: Verdict
+    runs: dict[str, aiperf.PatternRun] = field(default_factory=dict)
+    log: Path | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def reference_argv(job: ServeJob, port: int) -> list[str]:
+    return [job.python, "-m", "engine_templates.engine", "serve-reference", "--model-dir", str(job.model_dir),
+            "--dtype", job.dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
+            "--port", str(port), "--served-model-name", SERVED_NAME]
+
+
+def engine_argv(job: ServeJob, cand: EngineCandidate, out: Path, port: int) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    kernels = out / "kernels.json"
+    kernels.write_text(json.dumps(cand.kernels, indent=1))
+    return [job.python, "-m", "engine_templates.engine", "serve", "--model-dir", str(job.model_dir),
+            "--dtype", job.dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
+            "--port", str(port), "--served-model-name", SERVED_NAME, *cand.engine_args(kernels)]
+
+
+def command_argv(command: str, job: ServeJob, port: int) -> list[str]:
+    """A server named by a shell-like command; {port}, {model_dir} and {name} are filled in."""
+    return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME))
+
+
+def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
+    """Greedy tokens and log-probabilities (with alternatives) of the reference server; and, when
+    the reference is also the baseline, its metrics under every pattern from the same session."""
+    prompts = prompt_set(job.model_dir, job.accuracy, rng)
+    port = free_port()
+    with ServerProcess("reference", reference_argv(job, port), out / "server.log", job.env, port) as ref:
+        ref.start(job.start_timeout_s)
+        reference = Reference(prompts, [complete(ref.url, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
+                                        for p in prompts])
+        return reference, (_load_baseline(job, ref, out) if job.baseline == "reference" else None)
+
+
+def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
+    """The baseline server (a command's) under every pattern."""
+    port = free_port()
+    with ServerProcess("baseline", command_argv(job.baseline, job, port), out / "server.log", job.env, port) as server:
+        server.start(job.start_timeout_s)
+        return _load_baseline(job, server, out)
+
+
+def _load_baseline(job: ServeJob, server: ServerProcess, out: Path) -> dict[str, aiperf.PatternRun]:
+    """A baseline that fails under load is an error of the run, not a verdict on a candidate."""
+    runs = {}
+    for p in job.patterns:
+        runs[p.name] = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
+                                  job.pattern_timeout_s)
+        if not server.alive or runs[p.name].errors:
+            raise ServerError(f"the baseline server failed on pattern {p.name} "
+                              f"({runs[p.name].errors} failed requests); log: {server.log_tail(300)}")
+    return runs
+
+
+def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int], list[str]], reference: Reference,
+                    out: Path) -> Served:
+    """Start the candidate server (argv_for(port)), judge its accuracy, then load it with every pattern."""
+    verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"])
+    result = Served(verdict, log=out / "server.log")
+    t0 = time.monotonic()
+    port = free_port()
+    with ServerProcess("candidate", argv_for(port), result.log, job.env, port) as server:
+        try:
+            server.start(job.start_timeout_s)
+        except ServerError as e:
+            verdict.crash("server_start", str(e))
+        if verdict.status == PASS:
+            _accuracy(server, job, reference, result)
+        for p in job.patterns if verdict.status == PASS else ():
+            try:
+                run = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
+                                 job.pattern_timeout_s)
+            except aiperf.AIPerfError as e:
+                run, failure = None, str(e)
+            if not server.alive:
+                verdict.crash("server_died", f"the server exited with code {server.proc.returncode} during "
+                                             f"pattern {p.name}; its log is kept (server.log)")
+            elif run is None:
+                verdict.crash("load", failure)
+            elif run.errors:
+                verdict.gate("load", False, f"{run.errors} of {run.metrics['requests']:.0f} requests failed "
+                                            f"on pattern {p.name}")
+            if verdict.status != PASS:
+                break
+            result.runs[p.name] = run
+        verdict.log_tail = server.log_tail()
+    verdict.wall_s = time.monotonic() - t0
+    return result
+
+
+def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path, command: str | None = None) -> Served:
+    """The serve stage for an engine configuration, or for any server `command` starts."""
+    if command is None:
+        return serve_candidate(job, cand.id, lambda port: engine_argv(job, cand, out, port), reference, out)
+    return serve_candidate(job, cand.id, lambda port: command_argv(command, job, port), reference, out)
+
+
+def _accuracy(server: ServerProcess, job: ServeJob, reference: Reference, result: Served) -> None:
+    try:
+        got = [complete(server.url, SERVED_NAME, p, job.accuracy.max_tokens, 0) for p in reference.prompts]
+    except READ_ERRORS as e:
+        if not server.alive:
+            result.verdict.crash("server_died", f"the server exited with code {server.proc.returncode} "
+                                                f"answering the accuracy prompts")
+        else:
+            result.verdict.gate("accuracy", False, f"no usable greedy completion with logprobs: "
+                                                   f"{type(e).__name__}: {e}")
+        return
+    passed, detail, metrics = judge(got, reference.completions, job.accuracy)
+    result.metrics.update(metrics)
+    result.verdict.gate("accuracy", passed, detail)
+
+
+def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: float) -> None:
+    """The all-metrics gate: on every pattern, every metric at least `margin` better than the
+    baseline's. Adds per pattern `<pattern>/<metric>`, `baseline_<metric>`, `vs_baseline_<metric>`
+    (>1: better), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics."""
+    short, ratios = [], []
+    for pattern, run in result.runs.items():
+        for name, (_, _, higher) in aiperf.METRICS.items():
+            c, b = run.metrics.get(name), baseline[pattern].metrics.get(name)
+            if c is None or b is None:
+                short.append(f"{pattern}/{name} (not measured)")
+                continue
+            ratio = (c / b if b else math.inf) if higher else (b / c if c else math.inf)
+            result.metrics |= {f"{pattern}/{name}": c, f"{pattern}/baseline_{name}": b,
+                               f"{pattern}/vs_baseline_{name}": ratio}
+            ratios.append(ratio)
+            needed = b * (1 + margin) if higher else b * (1 - margin)
+            if (c < needed) if higher else (c > needed):
+                short.append(f"{pattern}/{name} {c:.4g} vs baseline {b:.4g} (needs {'≥' if higher else '≤'} {needed:.4g})")
+    finite = [r for r in ratios if math.isfinite(r) and r > 0]
+    if finite:
+        result.metrics["score"] = math.exp(sum(map(math.log, finite)) / len(finite))
+        result.metrics["worst_vs_baseline"] = min(finite)
+    total = len(result.runs) * len(aiperf.METRICS)
+    detail = (f"every one of {total} metrics beats the baseline by {margin:.0%}" if not short else
+              f"{len(short)} of {total} metrics short of the baseline by {margin:.0%}: " + "; ".join(short))
+    result.verdict.gate("all_metrics", not short, detail)
+

@@ -1,0 +1,160 @@
+"""The end-to-end stage on the tiny dense checkpoint, on the CPU: the real engine server and the
+real HF transformers reference server under real AIPerf load; a server streaming a fixed token
+rejected by the accuracy gate; a server dying mid-run is a crash with its log kept, and the flow
+goes on. The gates' rules themselves on hand-made completions and metrics."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_checkpoints import checkpoint
+
+from flows.cli import main
+from harness.serve.accuracy import Completion, judge
+from harness.serve.aiperf import METRICS, PatternRun
+from harness.serve.job import AccuracyRules
+from harness.serve.stage import Served, compare
+from harness.verdict import Verdict
+
+FAKES = Path(__file__).resolve().parent / "serve_fakes"
+# One small pattern: AIPerf's own start-up (~10 s) dominates; the requests are a second's work.
+SERVING = {"traffic": [{"name": "chat-short", "concurrency": 2, "input_tokens_mean": 24,
+                        "output_tokens_mean": 8, "request_count": 6, "warmup_requests": 1}],
+           "accuracy": {"held_out": 2, "held_out_tokens": 12, "max_tokens": 6}}
+
+
+@pytest.fixture(scope="module")
+def serving_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "serving.json"
+    path.write_text(json.dumps(SERVING))
+    return path
+
+
+def bench(serving_file, *extra) -> tuple[int, str]:
+    # stdout only: Prefect's log handler keeps the stderr it first saw, so no capsys here
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = main(["serve-bench", "--model-dir", str(checkpoint("dense")), "--model", "tiny", "--dtype", "fp32",
+                     "--serving", str(serving_file), *extra])
+    return code, out.getvalue()
+
+
+def child_runs(tracker_client, parent_id):
+    runs = tracker_client.search_runs([tracker_client.get_run(parent_id).info.experiment_id],
+                                      f"tags.mlflow.parentRunId = '{parent_id}'")
+    return sorted(runs, key=lambda r: r.info.start_time)
+
+
+def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server, tracking_home, serving_file):
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    code, out = bench(serving_file, "--json")
+    result = json.loads(out)
+    gates = {g["name"]: g for g in result["gates"]}
+    assert gates["accuracy"]["passed"], gates["accuracy"]["detail"]
+    assert "all_metrics" in gates and result["verdict"] in ("pass", "fail")  # CPU timings: either way
+    assert code == (0 if result["verdict"] == "pass" else 1)
+    rows = {r["metric"]: r for r in result["table"]}
+    # TTFT and total throughput only: a loaded CPU can deliver a tiny model's tokens in one read,
+    # which AIPerf rightly counts as an inter-token latency of 0 (and per-user throughput as none).
+    assert set(rows) == set(METRICS)
+    assert all(rows[k]["candidate"] > 0 and rows[k]["baseline"] > 0 for k in ("ttft_p50_ms", "output_tps"))
+
+    client = Tracker(TrackingConfig.from_env()).client
+    run = client.get_run(result["run_id"])
+    m = run.data.metrics
+    assert m["chat-short/ttft_p50_ms"] == rows["ttft_p50_ms"]["candidate"] > 0
+    assert m["chat-short/baseline_output_tps"] == rows["output_tps"]["baseline"] and "score" in m
+    assert m["accuracy/max_logprob_diff"] < 1e-3 and m["accuracy/tokens_compared"] > 0
+    assert run.data.tags["infersmith.status"] == result["verdict"]
+    exported = client.download_artifacts(run.info.run_id, "serve/aiperf/chat-short/profile_export_aiperf.json")
+    assert json.loads(Path(exported).read_text())["request_count"]["avg"] == 6
+    parent = client.get_run(result["parent_run_id"]).data.metrics
+    assert parent["baseline/chat-short/output_tps"] == rows["output_tps"]["baseline"]
+
+
+def test_fixed_token_stream_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home, serving_file):
+    # A baseline command other than the reference is measured only for a candidate worth comparing.
+    code, out = bench(serving_file, "--candidate", f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}}",
+                      "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+    assert code == 1
+    assert "accuracy: FAILED" in out and "greedy token 17" in out
+    assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
+
+
+def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(prefect_server, tracking_home):
+    from flows.optimize_engine import optimize_engine
+    from flows.target import Target
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    # The engine itself as the baseline (a command): the flow's baseline is any OpenAI-compatible server.
+    engine = (f"{sys.executable} -m engine_templates.engine serve --model-dir {{model_dir}} --port {{port}} "
+              f"--served-model-name {{name}} --dtype fp32 --max-model-len 512")
+    target = Target.model_validate({"model": "tiny", "dtype": "fp32", "budget": {"candidates": 2},
+                                    "serving": SERVING | {"baseline": engine}})
+    dying = {"kernels": {"silu_mul": {"impl": "free", "path": str(FAKES / "dying_silu_mul.py")}}}
+    result = optimize_engine(str(checkpoint("dense")), target, seed=1, kernels_per_op=0, include=[dying])
+    assert result["candidates"] == 2
+
+    client = Tracker(TrackingConfig.from_env()).client
+    died, fine = child_runs(client, result["parent_run_id"])
+    assert died.data.tags["infersmith.status"] == "crash"
+    assert died.data.tags["infersmith.failing_gate"] == "server_died"
+    verdict = json.loads(Path(client.download_artifacts(died.info.run_id, "verdict.json")).read_text())
+    assert "during pattern chat-short" in verdict["gates"][-1]["detail"]
+    assert [g["name"] for g in verdict["gates"]] == ["accuracy", "server_died"] and verdict["gates"][0]["passed"]
+    log = Path(client.download_artifacts(died.info.run_id, "serve/server.log")).read_text()
+    assert "serving infersmith-e2e" in log
+    assert fine.data.tags["infersmith.status"] in ("pass", "fail")
+    assert fine.data.tags["infersmith.failing_gate"] in ("", "all_metrics")
+    assert fine.data.metrics["chat-short/ttft_p50_ms"] > 0 and fine.data.metrics["chat-short/baseline_output_tps"] > 0
+
+
+RULES = AccuracyRules(prompts=("a",), held_out=1, held_out_tokens=4, max_tokens=3, logprob_atol=0.01, tie_nats=0.05)
+REF = [Completion([5, 6, 7], [-0.1, -0.2, -0.3], [{5: -0.1, 9: -2.0}, {6: -0.2, 8: -0.22}, {7: -0.3}])] * 2
+
+
+@pytest.mark.parametrize("got, passed, says", [
+    ([Completion([5, 6, 7], [-0.1, -0.205, -0.3], [])] * 2, True, "0 prompts diverged"),
+    ([Completion([5, 8, 1], [-0.1, -0.22, -5.0], [])] * 2, True, "2 prompts diverged at a near-tie"),
+    ([Completion([9, 6, 7], [-2.0, -0.2, -0.3], [])] * 2, False, "greedy token 9, the reference's is 5"),
+    ([Completion([5, 6, 7], [-0.1, -0.5, -0.3], [])] * 2, False, "prompt 0 (shown), token 1: logprob"),
+    ([Completion([5, 6], [-0.1, -0.2], [])] * 2, False, "2 tokens with 2 logprobs, expected 3"),
+])
+def test_accuracy_rules(got, passed, says):
+    ok, detail, _ = judge(got, REF, RULES)
+    assert ok is passed and says in detail
+
+
+def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
+    base = {name: 10.0 for name in METRICS}
+    better = {name: 12.0 if higher else 8.0 for name, (_, _, higher) in METRICS.items()}
+    served = Served(Verdict(op="engine", candidate_id="x"), {"p": PatternRun("p", better, 0, tmp_path)})
+    compare(served, {"p": PatternRun("p", base, 0, tmp_path)}, margin=0.1)
+    assert served.verdict.status == "pass" and math.isclose(served.metrics["worst_vs_baseline"], 1.2)
+    one_short = better | {"itl_p90_ms": 9.5}  # better, but by less than the margin
+    served = Served(Verdict(op="engine", candidate_id="x"), {"p": PatternRun("p", one_short, 0, tmp_path)})
+    compare(served, {"p": PatternRun("p", base, 0, tmp_path)}, margin=0.1)
+    assert served.verdict.status == "fail"
+    assert served.verdict.failing_gate.detail.startswith("1 of 7 metrics short") and "p/itl_p90_ms 9.5" in \
+        served.verdict.failing_gate.detail
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-dir", "/no/such/dir"], "not a model directory"),
+    (["--patterns", "nope"], "no traffic pattern nope"),
+    (["--kernels", "/no/such/kernels.json"], "cannot read kernels file"),
+    (["--margin", "-1"], "bad serving settings: margin"),
+])
+def test_serve_bench_usage_errors_are_one_line(capsys, argv, message):
+    args = ["serve-bench", "--model-dir", str(checkpoint("dense")), "--model", "tiny", *argv]
+    capsys.readouterr()  # making the checkpoint prints progress
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
