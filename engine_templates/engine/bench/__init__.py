@@ -198,6 +198,7 @@ def run(opts: BenchOptions) -> int:
          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s")
     result = {"device": info, "ceilings": ceilings, "dtype": opts.dtype,
               "workload": asdict(opts.work), "presets": {}}
+
     def save(preset: str, partial: dict) -> None:
         result["presets"][preset] = partial
         # default=str: a version string or setting of an unexpected type must not lose the run
