@@ -17,6 +17,8 @@ class ModelDims:
     experts: int = 0
     experts_per_token: int = 0
     rms_eps: float = 1e-6
+    rope_theta: float = 1e6
+    tie_embeddings: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -28,9 +30,9 @@ PRESETS: dict[str, ModelDims] = {
     m.name: m
     for m in (
         ModelDims("qwen3-0.6b", hidden=1024, intermediate=3072, layers=28, heads=16,
-                  kv_heads=8, head_dim=128, vocab=151936),
+                  kv_heads=8, head_dim=128, vocab=151936, tie_embeddings=True),
         ModelDims("qwen3-1.7b", hidden=2048, intermediate=6144, layers=28, heads=16,
-                  kv_heads=8, head_dim=128, vocab=151936),
+                  kv_heads=8, head_dim=128, vocab=151936, tie_embeddings=True),
         ModelDims("qwen3-8b", hidden=4096, intermediate=12288, layers=36, heads=32,
                   kv_heads=8, head_dim=128, vocab=151936),
         ModelDims("qwen3-30b-a3b", hidden=2048, intermediate=768, layers=48, heads=32,

@@ -30,13 +30,18 @@ def ceilings(device: str, info: dict) -> dict:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             pass  # a torn cache file is re-measured below
-    result = _measure_cuda() if device == "cuda" else _measure_cpu()
+    result = measure(device)
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
     return result
+
+
+def measure(device: str) -> dict:
+    """Measured now, not cached: for a caller that reports it beside figures of the same run."""
+    return _measure_cuda() if device == "cuda" else _measure_cpu()
 
 
 def _events_median_s(fn, reps: int) -> float:

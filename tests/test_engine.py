@@ -41,7 +41,7 @@ def oracle_run(request):
 
     eng = engine(request.param)
     seqs = eng.generate(PROMPTS, GREEDY)
-    return request.param, eng, seqs, HFOracle(checkpoint(request.param), "fp32")
+    return request.param, eng, seqs, HFOracle.from_dir(checkpoint(request.param), "fp32")
 
 
 def test_greedy_tokens_equal_transformers(oracle_run):
@@ -66,7 +66,7 @@ def test_bf16_logprobs_within_tolerance(kind):
     from engine_templates.engine.oracle import HFOracle
 
     eng = engine(kind, "bf16")
-    oracle = HFOracle(checkpoint(kind), "bf16")
+    oracle = HFOracle.from_dir(checkpoint(kind), "bf16")
     for seq in eng.generate(PROMPTS[:2], GREEDY):
         expected = oracle.logprobs(seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids)
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 0.1

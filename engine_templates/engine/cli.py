@@ -1,4 +1,4 @@
-"""`engine generate`, `engine serve` and `engine serve-reference`: shared by `infersmith engine ...` and, on a GPU host
+"""`engine generate`, `engine serve`, `engine serve-reference` and `engine bench`: shared by `infersmith engine ...` and, on a GPU host
 without the controller's packages, `python -m engine_templates.engine ...`.
 
 Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    """Adds `generate`, `serve` and `serve-reference` to an argparse subparsers object (each sets `engine_fn`)."""
+    """Adds `generate`, `serve`, `serve-reference` and `bench` to an argparse subparsers object (each sets `engine_fn`)."""
     g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
     _add_engine_options(g)
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
@@ -46,6 +46,30 @@ def add_commands(sub) -> None:
     r.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     r.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     r.set_defaults(engine_fn=cmd_serve_reference)
+    b = sub.add_parser("bench", help="time the engine and HF transformers generate on random weights "
+                                     "of model presets; markdown and JSON to --out")
+    b.add_argument("--out", required=True, type=Path, help="directory for engine_bench.md and .json")
+    b.add_argument("--presets", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
+    b.add_argument("--kernels", action="append", help="an engine variant: a kernels file, or `eager` "
+                   "(every op's PyTorch baseline); repeatable (default: eager)")
+    b.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline or agreement check")
+    b.add_argument("--enforce-eager", action="store_true", help="time the engine without CUDA graphs")
+    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--decode-tokens", type=int, default=128, help="engine batch-1 decode tokens")
+    b.add_argument("--hf-decode-tokens", type=int, default=32, help="HF batch-1 decode tokens")
+    b.add_argument("--ttft-lengths", type=int, nargs="+", default=[512, 2048])
+    b.add_argument("--ttft-reps", type=int, default=3, help="timed prompts per length (median)")
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--concurrent-prompt", type=int, default=128, help="prompt tokens of each concurrent request")
+    b.add_argument("--concurrent-tokens", type=int, default=128, help="engine output tokens per request")
+    b.add_argument("--hf-concurrent-tokens", type=int, default=32, help="HF output tokens per request")
+    b.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared with HF")
+    b.add_argument("--phase-seconds", type=float, default=20.0,
+                   help="a decode phase stops after this long and reports what it made")
+    b.add_argument("--tolerance", type=float, help="nats, for agreement (default 0.25 in bf16/fp16, 1e-3 in fp32)")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(engine_fn=cmd_bench)
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -167,6 +191,30 @@ def cmd_serve_reference(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def cmd_bench(args) -> int:
+    from engine_templates.engine.bench import EAGER, BenchOptions, Workload, run
+    from engine_templates.engine.config import EngineSetupError
+    from engine_templates.engine.kernels import parse_kernels_file
+
+    variants = tuple(args.kernels or [EAGER])
+    specs = {k: parse_kernels_file(Path(k)) for k in variants if k != EAGER}
+    try:
+        work = Workload(decode_tokens=args.decode_tokens, hf_decode_tokens=args.hf_decode_tokens,
+                        ttft_lengths=tuple(args.ttft_lengths), ttft_reps=args.ttft_reps,
+                        concurrency=args.concurrency, concurrent_prompt=args.concurrent_prompt,
+                        concurrent_tokens=args.concurrent_tokens,
+                        hf_concurrent_tokens=args.hf_concurrent_tokens, check_tokens=args.check_tokens,
+                        cap_s=args.phase_seconds)
+        extra = {"device": args.device} if args.device else {}
+        opts = BenchOptions(presets=tuple(args.presets), out=args.out, work=work, kernels=variants,
+                            dtype=args.dtype, skip_hf=args.skip_hf,
+                            enforce_eager=args.enforce_eager, tolerance=args.tolerance,
+                            seed=args.seed, kernel_specs=specs, **extra)
+    except AssertionError as e:
+        raise EngineSetupError(f"bad bench option: {e}") from None
+    return run(opts)
 
 
 def main(argv: list[str] | None = None) -> int:

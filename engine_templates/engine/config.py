@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from engine_templates.models import ModelDims
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -76,6 +78,19 @@ class ModelConfig:
             raise ModelDirError(f"{path}: {e or 'inconsistent values'}") from None
 
     @classmethod
+    def from_preset(cls, dims: ModelDims, max_positions: int = 40960) -> "ModelConfig":
+        """A model of a preset's shape (engine_templates/models.py), as its public config has it:
+        an MoE preset has experts in every layer and renormalised top-k weights, as Qwen3-MoE."""
+        return cls(model_type="qwen3_moe" if dims.is_moe else "qwen3", hidden=dims.hidden,
+                   intermediate=dims.intermediate, layers=dims.layers, heads=dims.heads,
+                   kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab=dims.vocab,
+                   rms_eps=dims.rms_eps, rope_theta=dims.rope_theta, max_positions=max_positions,
+                   tie_embeddings=dims.tie_embeddings, experts=dims.experts,
+                   experts_per_token=dims.experts_per_token,
+                   moe_intermediate=dims.intermediate if dims.is_moe else 0,
+                   norm_topk_prob=dims.is_moe, moe_layers=tuple(range(dims.layers)) if dims.is_moe else ())
+
+    @classmethod
     def _parse(cls, raw: dict, model_type: str, model_dir: Path) -> "ModelConfig":
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -129,7 +144,7 @@ class KernelSpec:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_dir: Path
+    model_dir: Path | None = None  # None: the weights are handed to LLMEngine (see there)
     dtype: str = "bf16"
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     block_size: int = 16

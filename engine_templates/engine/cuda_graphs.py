@@ -1,10 +1,15 @@
-"""Decode steps replayed from CUDA graphs, one per batch size, on a GPU only.
+"""Decode steps replayed from CUDA graphs, one per (batch size, block-table width), on a GPU.
 
-A batch of n sequences replays the smallest captured size >= n; the padding rows read the
-scratch block (length 1) and write their K/V there, so they cost a little work and touch no
-sequence's cache. Graphs are captured after one eager warm-up (Triton compiles then), largest
-first, sharing one memory pool. Not exercised on a CPU: ModelRunner builds this only when the
-device is CUDA and enforce_eager is off.
+A batch of n sequences whose longest block table has w blocks replays the smallest captured
+size >= n and the narrowest captured width >= w. Widths are powers of two from 8 blocks up to
+the model length: an op that reads every table entry (the eager decode attention gathers them
+all) then pays for the longest sequence of the batch rounded up, not for the model length.
+Padding rows read the scratch block (length 1) and write their K/V there, so they cost a
+little work and touch no sequence's cache. Each graph is captured after one eager warm-up
+(Triton compiles then), largest first, all sharing one memory pool.
+
+With capture=False the same static buffers, padding and width buckets are used but each step
+runs eagerly on them: that is how a CPU (which has no graphs) tests this bookkeeping.
 """
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ from engine_templates.engine.config import ModelConfig
 from engine_templates.engine.model import AttentionInputs
 from engine_templates.engine.sequence import Sequence
 
+MIN_WIDTH = 8  # blocks
+
 
 class DecodeGraphs:
-    def __init__(self, runner, cfg: ModelConfig):
+    def __init__(self, runner, cfg: ModelConfig, capture: bool = True):
         self.runner = runner
         model, config = runner.model, runner.config
         sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
@@ -24,6 +31,8 @@ class DecodeGraphs:
             # The eager MoE syncs with the host once tokens * top_k exceed the experts.
             sizes = [b for b in sizes if b * cfg.experts_per_token <= cfg.experts]
         self.sizes = sorted(sizes)
+        max_w = runner.max_blocks_per_seq
+        self.widths = sorted({min(MIN_WIDTH << i, max_w) for i in range(max_w.bit_length() + 1)})
         if not self.sizes:
             return
         dev, max_bs = runner.device, self.sizes[-1]
@@ -32,22 +41,28 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.full((max_bs,), scratch * runner.block_size, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.block_table = torch.full((max_bs, runner.max_blocks_per_seq), scratch, dtype=torch.int32,
-                                      device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.block_table = torch.full((max_bs, max_w), scratch, dtype=torch.int32, device=dev)
+        # (batch size, width) -> (graph, its logits); no graph when not capturing
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         pool = None
         for bs in reversed(self.sizes):
-            self._forward(bs)  # warm-up: compiles kernels and settles allocations outside capture
+            for width in reversed(self.widths):
+                if not capture:
+                    self.graphs[bs, width] = (None, None)
+                    continue
+                self._forward(bs, width)  # warm-up: compiles kernels, settles allocations
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(bs, width)
+                pool = graph.pool()
+                self.graphs[bs, width] = (graph, logits)
+        if capture:
             torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
-        torch.cuda.synchronize(dev)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        attn = AttentionInputs(False, self.slot_mapping[:bs], self.seq_lens[:bs], self.block_table[:bs])
+    def _forward(self, bs: int, width: int) -> torch.Tensor:
+        attn = AttentionInputs(False, self.slot_mapping[:bs], self.seq_lens[:bs],
+                               self.block_table[:bs, :width])
         model = self.runner.model
         return model.compute_logits(model.forward(self.input_ids[:bs], self.positions[:bs], attn))
 
@@ -58,14 +73,18 @@ class DecodeGraphs:
         n = len(seqs)
         bs = next(b for b in self.sizes if b >= n)
         ids, positions, attn = self.runner.prepare_decode(seqs)
+        w = attn.block_table.shape[1]
+        width = next(x for x in self.widths if x >= w)
         self.input_ids[:n] = ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = attn.slot_mapping
         self.slot_mapping[n:bs] = self.runner.scratch_block * self.runner.block_size
         self.seq_lens[:n] = attn.seq_lens
         self.seq_lens[n:bs] = 1
-        self.block_table[:bs] = self.runner.scratch_block
-        self.block_table[:n, :attn.block_table.shape[1]] = attn.block_table
-        graph, logits = self.graphs[bs]
+        self.block_table[:bs, :width] = self.runner.scratch_block
+        self.block_table[:n, :w] = attn.block_table
+        graph, logits = self.graphs[bs, width]
+        if graph is None:
+            return self._forward(bs, width)[:n]
         graph.replay()
         return logits[:n]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine_templates.engine.block_manager import BlockManager
 from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.kernels import KernelSet
@@ -15,15 +17,24 @@ log = logging.getLogger("infersmith.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None):
+        """From config.model_dir (config.json, safetensors, tokenizer.json); or, with no model
+        directory, from `model_config` and `weights` on the device (e.g. loader.random_weights),
+        used as they are, not copied, and without a tokenizer: prompts are token ids."""
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model_dir)
-        self.tokenizer = Tokenizer(config.model_dir)
+        if config.model_dir is None:
+            assert model_config is not None and weights is not None, \
+                "without a model directory, give the model config and its weights"
+            self.model_config, self.tokenizer = model_config, None
+        else:
+            self.model_config = ModelConfig.from_dir(config.model_dir)
+            self.tokenizer = Tokenizer(config.model_dir)
         self.kernels = KernelSet(config.kernels)
-        self.runner = ModelRunner(config, self.model_config, self.kernels)
+        self.runner = ModelRunner(config, self.model_config, self.kernels, weights)
         self.scheduler = Scheduler(config, BlockManager(self.runner.num_blocks, config.block_size))
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.largest_batch = 0  # the most sequences one step has run: evidence of batching
@@ -35,6 +46,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A new sequence in the queue. ValueError (a message for the client) if it cannot fit."""
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise ValueError("an engine without a tokenizer takes token ids, and no stop strings")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= t < self.model_config.vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab})")
@@ -81,7 +94,8 @@ class LLMEngine:
         p = seq.params
         stopped_on_token = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
         ids = seq.completion_token_ids[:-1] if stopped_on_token else seq.completion_token_ids
-        seq.text = self.tokenizer.decode(ids)
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(ids)
         if p.stop:
             hits = [(i, s) for s in p.stop if (i := seq.text.find(s)) >= 0]
             if hits:

@@ -1,4 +1,4 @@
-"""Fill a Qwen3Model from a HuggingFace directory's safetensors shards."""
+"""A Qwen3Model's weights: filled from a HuggingFace directory's safetensors shards, or random."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine_templates.engine.config import ModelDirError
-from engine_templates.engine.model import Qwen3Model
+from engine_templates.engine.config import ModelConfig, ModelDirError
+from engine_templates.engine.model import EXPERT_STACKS, Qwen3Model
 
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
@@ -21,7 +21,7 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: Qwen3Model, model_dir: Path) -> None:
-    params = model.parameters()
+    params = model.weights()
     filled: set[str] = set()
     inter = model.cfg.moe_intermediate
     for file in shard_files(model_dir):
@@ -40,13 +40,33 @@ def load_weights(model: Qwen3Model, model_dir: Path) -> None:
                                         f"implies {tuple(target.shape)}")
                 target.copy_(tensor)
                 filled.add(key)
-    expected = set(params) | {f"{i}.{e}.{w}" for i in model.cfg.moe_layers
-                              for e in range(model.cfg.experts)
-                              for w in ("gate_proj", "up_proj", "down_proj")}
+    # The checkpoint stores each expert apart; the model keeps them stacked.
+    expected = {n for n in params if not n.endswith(EXPERT_STACKS)} | {
+        f"{i}.{e}.{w}" for i in model.cfg.moe_layers for e in range(model.cfg.experts)
+        for w in ("gate_proj", "up_proj", "down_proj")}
     missing = sorted(expected - filled)
     if missing:
         raise ModelDirError(f"{model_dir}: {len(missing)} weights missing from the checkpoint, "
                             f"e.g. {missing[0]}")
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Every weight drawn on the device itself (no host copy: 30B parameters in under a
+    second on a GPU): norms 1, the rest N(0, std) — transformers' own initialisation."""
+    weights = Qwen3Model(cfg, None, None, dtype, device).weights()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in weights.items():
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, std, generator=gen)
+    return weights
+
+
+def tensor_for(model: Qwen3Model, name: str) -> torch.Tensor | None:
+    """The model's tensor (or expert slice) that a checkpoint or HF parameter name denotes."""
+    return _target(model, model.weights(), name, model.cfg.moe_intermediate)[0]
 
 
 def _target(model: Qwen3Model, params: dict[str, torch.Tensor], name: str, inter: int):

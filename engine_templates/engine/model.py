@@ -1,7 +1,10 @@
 """Qwen3 and Qwen3-MoE forward passes over a paged KV cache, every hot op from a KernelSet.
 
-Weights are plain tensors (no nn.Module): `Qwen3Model.parameters()` names each one the way the
-checkpoint does, so the loader can fill them. The matmuls are torch's; the rest is the kernels'.
+Weights are plain tensors (no nn.Module): `Qwen3Model.weights()` names each one the way HF
+transformers (5.x) names its parameters — the MoE experts stacked per layer as
+`mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] and `mlp.experts.down_proj` — so the
+loader can fill them and an HF model can share them. The matmuls are torch's; the rest is the
+kernels'.
 """
 from __future__ import annotations
 
@@ -25,67 +28,63 @@ class AttentionInputs:
     cu_seqlens_q: torch.Tensor | None = None  # int32 [batch + 1], prefill only
 
 
-class Layer:
-    def __init__(self, cfg: ModelConfig, index: int, dtype, device):
-        def empty(*shape):
-            return torch.empty(shape, dtype=dtype, device=device)
+EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-        h, hd = cfg.hidden, cfg.head_dim
-        self.input_norm = empty(h)
-        self.post_attention_norm = empty(h)
-        self.q_proj = empty(cfg.heads * hd, h)
-        self.k_proj = empty(cfg.kv_heads * hd, h)
-        self.v_proj = empty(cfg.kv_heads * hd, h)
-        self.o_proj = empty(h, cfg.heads * hd)
-        self.q_norm = empty(hd)
-        self.k_norm = empty(hd)
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, index: int, tensor):
+        h, hd, p = cfg.hidden, cfg.head_dim, f"model.layers.{index}."
+        self.input_norm = tensor(p + "input_layernorm.weight", h)
+        self.post_attention_norm = tensor(p + "post_attention_layernorm.weight", h)
+        self.q_proj = tensor(p + "self_attn.q_proj.weight", cfg.heads * hd, h)
+        self.k_proj = tensor(p + "self_attn.k_proj.weight", cfg.kv_heads * hd, h)
+        self.v_proj = tensor(p + "self_attn.v_proj.weight", cfg.kv_heads * hd, h)
+        self.o_proj = tensor(p + "self_attn.o_proj.weight", h, cfg.heads * hd)
+        self.q_norm = tensor(p + "self_attn.q_norm.weight", hd)
+        self.k_norm = tensor(p + "self_attn.k_norm.weight", hd)
         self.is_moe = index in cfg.moe_layers
         if self.is_moe:
             n = cfg.moe_intermediate
-            self.router = empty(cfg.experts, h)
-            self.w_gate_up = empty(cfg.experts, 2 * n, h)  # each expert's gate rows, then up rows
-            self.w_down = empty(cfg.experts, h, n)
+            self.router = tensor(p + "mlp.gate.weight", cfg.experts, h)
+            # each expert's gate rows, then its up rows
+            self.w_gate_up = tensor(p + EXPERT_STACKS[0], cfg.experts, 2 * n, h)
+            self.w_down = tensor(p + EXPERT_STACKS[1], cfg.experts, h, n)
         else:
-            self.gate_proj = empty(cfg.intermediate, h)
-            self.up_proj = empty(cfg.intermediate, h)
-            self.down_proj = empty(h, cfg.intermediate)
+            self.gate_proj = tensor(p + "mlp.gate_proj.weight", cfg.intermediate, h)
+            self.up_proj = tensor(p + "mlp.up_proj.weight", cfg.intermediate, h)
+            self.down_proj = tensor(p + "mlp.down_proj.weight", h, cfg.intermediate)
 
 
 class Qwen3Model:
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, cos_sin: torch.Tensor,
-                 dtype: torch.dtype, device: str):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet | None, cos_sin: torch.Tensor | None,
+                 dtype: torch.dtype, device: str, weights: dict[str, torch.Tensor] | None = None):
+        """Empty weights for a loader to fill, or `weights` (every name of `weights()`) used as
+        they are, not copied: models built from one dict share their storage."""
         self.cfg = cfg
         self.k = kernels
         self.cos_sin = cos_sin
         self.scale = cfg.head_dim ** -0.5
-        self.embed = torch.empty(cfg.vocab, cfg.hidden, dtype=dtype, device=device)
-        self.layers = [Layer(cfg, i, dtype, device) for i in range(cfg.layers)]
-        self.norm = torch.empty(cfg.hidden, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_embeddings else torch.empty_like(self.embed)
+        self._weights: dict[str, torch.Tensor] = {}
+
+        def tensor(name: str, *shape: int) -> torch.Tensor:
+            if weights is None:
+                t = torch.empty(shape, dtype=dtype, device=device)
+            else:
+                t = weights[name]
+                assert tuple(t.shape) == shape and t.dtype == dtype, \
+                    f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+            self._weights[name] = t
+            return t
+
+        self.embed = tensor("model.embed_tokens.weight", cfg.vocab, cfg.hidden)
+        self.layers = [Layer(cfg, i, tensor) for i in range(cfg.layers)]
+        self.norm = tensor("model.norm.weight", cfg.hidden)
+        self.lm_head = self.embed if cfg.tie_embeddings else tensor("lm_head.weight", cfg.vocab, cfg.hidden)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
 
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """Every weight but the MoE experts, by its checkpoint name (see loader.py for those)."""
-        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
-        if not self.cfg.tie_embeddings:
-            out["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out.update({p + "input_layernorm.weight": layer.input_norm,
-                        p + "post_attention_layernorm.weight": layer.post_attention_norm,
-                        p + "self_attn.q_proj.weight": layer.q_proj,
-                        p + "self_attn.k_proj.weight": layer.k_proj,
-                        p + "self_attn.v_proj.weight": layer.v_proj,
-                        p + "self_attn.o_proj.weight": layer.o_proj,
-                        p + "self_attn.q_norm.weight": layer.q_norm,
-                        p + "self_attn.k_norm.weight": layer.k_norm})
-            if layer.is_moe:
-                out[p + "mlp.gate.weight"] = layer.router
-            else:
-                out.update({p + "mlp.gate_proj.weight": layer.gate_proj,
-                            p + "mlp.up_proj.weight": layer.up_proj,
-                            p + "mlp.down_proj.weight": layer.down_proj})
-        return out
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every weight by its HF transformers name (a tied lm_head is the embedding, not listed)."""
+        return dict(self._weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionInputs) -> torch.Tensor:

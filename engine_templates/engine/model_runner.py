@@ -14,7 +14,8 @@ from engine_templates.ops.rope import cos_sin_table
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, kernels: KernelSet):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, kernels: KernelSet,
+                 weights: dict[str, torch.Tensor] | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
@@ -22,8 +23,10 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         cos_sin = cos_sin_table(model_config.head_dim, config.max_model_len, model_config.rope_theta,
                                 device=self.device)
-        self.model = Qwen3Model(model_config, kernels, cos_sin, config.torch_dtype, config.device)
-        load_weights(self.model, config.model_dir)
+        self.model = Qwen3Model(model_config, kernels, cos_sin, config.torch_dtype, config.device,
+                                weights)
+        if weights is None:
+            load_weights(self.model, config.model_dir)
         self.num_blocks = self._allocate_kv_cache(model_config)
         # One block past the allocator's: padded rows of a captured decode batch write there.
         self.scratch_block = self.num_blocks

@@ -1,23 +1,72 @@
-"""The reference path: the same checkpoint through HF transformers, for comparing greedy
-tokens and log-probabilities with the engine's. The only engine module that imports
-transformers (an optional dependency: `pip install infersmith[oracle]`)."""
+"""The reference path: the same weights through HF transformers, for comparing greedy tokens
+and log-probabilities with the engine's, and as the baseline the benchmark times. The only
+engine module that imports transformers (an optional dependency: `pip install infersmith[oracle]`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from engine_templates.engine.config import DTYPES
+from engine_templates.engine.config import DTYPES, ModelConfig
+from engine_templates.engine.loader import tensor_for
+from engine_templates.engine.model import Qwen3Model
+
+
+def hf_config(cfg: ModelConfig, attn_implementation: str):
+    """transformers' config of the model the engine's ModelConfig describes."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                  num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps,
+                  rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_positions,
+                  tie_word_embeddings=cfg.tie_embeddings, attn_implementation=attn_implementation,
+                  eos_token_id=list(cfg.eos_token_ids) or None, pad_token_id=0)
+    if not cfg.is_moe:
+        return Qwen3Config(**common)
+    return Qwen3MoeConfig(num_experts=cfg.experts, num_experts_per_tok=cfg.experts_per_token,
+                          moe_intermediate_size=cfg.moe_intermediate, norm_topk_prob=cfg.norm_topk_prob,
+                          decoder_sparse_step=1,
+                          mlp_only_layers=[i for i in range(cfg.layers) if i not in cfg.moe_layers],
+                          **common)
 
 
 class HFOracle:
-    def __init__(self, model_dir: Path, dtype: str = "fp32", device: str = "cpu", attention: str = "eager"):
+    def __init__(self, model):
+        self.model = model.eval()
+        self.device = model.device
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, dtype: str = "fp32", device: str = "cpu",
+                 attention: str = "eager") -> "HFOracle":
         from transformers import AutoModelForCausalLM
 
         # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention).to(device).eval()
-        self.device = device
+        return cls(AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention).to(device))
+
+    @classmethod
+    def sharing(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                attn_implementation: str = "sdpa") -> "HFOracle":
+        """transformers' model around the engine's weight tensors (as named by
+        Qwen3Model.weights()), sharing their storage: no second copy of the weights."""
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+        config = hf_config(cfg, attn_implementation)
+        sample = next(iter(weights.values()))
+        with torch.device("meta"):
+            model = (Qwen3MoeForCausalLM if cfg.is_moe else Qwen3ForCausalLM)(config)
+        view = Qwen3Model(cfg, None, None, sample.dtype, sample.device, weights)
+        state = {}
+        for name in model.state_dict():
+            tensor = view.embed if name == "lm_head.weight" and cfg.tie_embeddings else tensor_for(view, name)
+            if tensor is None:
+                raise ValueError(f"transformers' parameter {name} has no engine weight")
+            state[name] = tensor
+        model.load_state_dict(state, strict=True, assign=True)
+        # Rotary frequencies are a non-persistent buffer, still on the meta device: made anew.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(sample.device)
+        return cls(model)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int,
@@ -34,7 +83,13 @@ class HFOracle:
     @torch.inference_mode()
     def logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
         """log p(completion_ids[i] | everything before it), from one forward pass, in float64."""
+        rows = self.logprob_rows(prompt_ids, completion_ids)
+        return rows[torch.arange(len(completion_ids)), completion_ids].tolist()
+
+    @torch.inference_mode()
+    def logprob_rows(self, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:
+        """Every token's log-probability [len(completion_ids), vocab] (float64, on the host) at
+        each completion position, from one forward pass over prompt + completion."""
         ids = torch.tensor([prompt_ids + completion_ids], device=self.device)
         logits = self.model(ids).logits[0, len(prompt_ids) - 1:-1].double()
-        chosen = torch.tensor(completion_ids, device=self.device)[:, None]
-        return torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1).tolist()
+        return torch.log_softmax(logits, dim=-1).cpu()

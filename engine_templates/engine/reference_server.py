@@ -36,7 +36,7 @@ class ReferenceState:
         self.eos_token_ids = frozenset(eos)
         self.max_model_len = max_model_len
         # sdpa: what a user of transformers gets by default, the fair baseline for speed.
-        self.model = HFOracle(model_dir, dtype, device, attention="sdpa").model
+        self.model = HFOracle.from_dir(model_dir, dtype, device, attention="sdpa").model
         self.device = device
         self.lock = asyncio.Lock()  # one decode at a time: transformers' generate() has no scheduler
         self.created = int(time.time())

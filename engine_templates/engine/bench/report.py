@@ -1,0 +1,63 @@
+"""engine_bench.json as markdown: the figures with their roofline fractions, then agreement."""
+from __future__ import annotations
+
+from engine_templates.engine.bench.roofline import fraction
+
+LABELS = {"decode_b1_tok_s": "decode, batch 1 (tok/s)", "ttft": "TTFT, {n} tokens (ms)",
+          "concurrent": "output, {n} concurrent (tok/s)"}
+
+
+def _label(metric: str) -> str:
+    kind, n = metric.split("_")[0], metric.split("_")[1]
+    return LABELS.get(metric) or LABELS[kind].format(n=n)
+
+
+def _metric_names(result: dict) -> list[str]:
+    w = result["workload"]
+    return (["decode_b1_tok_s"] + [f"ttft_{n}_ms" for n in w["ttft_lengths"]]
+            + [f"concurrent_{w['concurrency']}_tok_s"])
+
+
+def _cell(system: dict, metric: str, roofline: float) -> str:
+    if "error" in system:
+        return "error"
+    m = system["metrics"][metric]
+    capped = " (capped)" if m.get("capped") else ""
+    return f"{m['value']:.4g} ({100 * fraction(metric, m['value'], roofline):.1f}%){capped}"
+
+
+def markdown(result: dict) -> str:
+    dev, ceil = result["device"], result["ceilings"]
+    lines = [f"# Engine benchmark: {dev['name']} (torch {dev['torch']}, triton {dev['triton']}), "
+             f"{result['dtype']}, random weights",
+             "",
+             f"Copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
+             f"{ceil['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, measured in this run. Each figure is "
+             "followed by its fraction of the weight-bytes roofline (rates: measured / roofline; "
+             "times: roofline / measured). TTFT's matmul-FLOP bound is given beside its roofline.",
+             ""]
+    for preset, r in result["presets"].items():
+        systems = list(r["systems"])
+        lines += [f"## {preset}", "",
+                  "| metric | weight-bytes roofline | " + " | ".join(systems) + " |",
+                  "|---|---|" + "---|" * len(systems)]
+        for metric in _metric_names(result):
+            bound = r["roofline"][metric]
+            flops = r["roofline"].get(f"{metric}_flops")
+            roof = f"{bound:.4g}" + (f" (FLOPs: {flops:.3g})" if flops is not None else "")
+            cells = [_cell(r["systems"][s], metric, bound) for s in systems]
+            lines.append(f"| {_label(metric)} | {roof} | " + " | ".join(cells) + " |")
+        lines += ["", "| system | agreement | graphs | graphs = eager tokens | gap to HF argmax "
+                      "| logprob diff vs HF | HF greedy equal prefix |", "|---|---|---|---|---|---|---|"]
+        for name, s in r["systems"].items():
+            if "error" in s:
+                lines.append(f"| {name} | error: {s['error'][:200]} | | | | | |")
+            elif "check" in s:
+                c = s["check"]
+                hf = c.get("engine_vs_hf", {})
+                lines.append(
+                    f"| {name} | {'ok' if c['agree'] else 'NOT OK'} | {c['graphs']} | "
+                    f"{c['graphs_vs_eager']['tokens_equal']} | {hf.get('worst_gap_to_hf_argmax', float('nan')):.3g} | "
+                    f"{hf.get('max_logprob_diff', float('nan')):.3g} | {hf.get('hf_greedy_equal_prefix', '')} |")
+        lines.append("")
+    return "\n".join(lines)

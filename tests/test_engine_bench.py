@@ -1,0 +1,179 @@
+"""`engine bench` end to end on the tiny presets (CPU, float32), and what it stands on: random
+weights of a preset's shape, transformers' model sharing them, the weight-bytes counts, and the
+decode-graph bookkeeping (static buffers, padding rows, width buckets) run without capture."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from engine_templates.engine.bench.roofline import weight_bytes  # noqa: E402
+from engine_templates.engine.config import EngineConfig, KernelSpec, ModelConfig  # noqa: E402
+from engine_templates.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from engine_templates.engine.engine import LLMEngine  # noqa: E402
+from engine_templates.engine.loader import random_weights  # noqa: E402
+from engine_templates.engine.sequence import SamplingParams  # noqa: E402
+from engine_templates.models import PRESETS  # noqa: E402
+from flows.cli import main  # noqa: E402
+
+# Few programs per launch: Triton's interpreter on a CPU takes time per program.
+SPLIT_KV = KernelSpec("template", "split_kv", {"num_splits": 2, "block_n": 16, "num_warps": 1, "num_stages": 1})
+
+
+def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(tmp_path, capsys):
+    out = tmp_path / "bench"
+    kernels = tmp_path / "mine.json"  # the float64 references: cheap on a CPU, and not eager
+    kernels.write_text(json.dumps({"rmsnorm": {"impl": "reference"}, "fused_moe": {"impl": "reference"}}))
+    code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "tiny-moe", "--dtype", "fp32",
+                 "--device", "cpu", "--kernels", "eager", "--kernels", str(kernels),
+                 "--decode-tokens", "6", "--hf-decode-tokens", "3", "--ttft-lengths", "20", "40",
+                 "--ttft-reps", "2", "--concurrency", "3", "--concurrent-prompt", "9",
+                 "--concurrent-tokens", "4", "--hf-concurrent-tokens", "3", "--check-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    result = json.loads((out / "engine_bench.json").read_text())
+    assert result["ceilings"]["copy_bytes_per_s"] > 0
+    metrics = ["decode_b1_tok_s", "ttft_20_ms", "ttft_40_ms", "concurrent_3_tok_s"]
+    table = (out / "engine_bench.md").read_text()
+    for preset in ("tiny", "tiny-moe"):
+        r = result["presets"][preset]
+        assert set(r["systems"]) == {"engine", "engine+mine.json", "hf"}
+        for name, system in r["systems"].items():
+            assert "error" not in system, (preset, name, system)
+            for m in metrics:
+                value = system["metrics"][m]["value"]
+                assert math.isfinite(value) and value > 0, (preset, name, m)
+                assert 0 < r["roofline"][m] < math.inf
+        for name in ("engine", "engine+mine.json"):
+            check = r["systems"][name]["check"]
+            assert check["agree"] and check["engine_vs_hf"]["agree"], (preset, name, check)
+            assert check["engine_vs_hf"]["max_logprob_diff"] < 1e-3
+            assert check["engine_vs_hf"]["hf_greedy_equal_prefix"] == [4, 4, 4]
+        assert r["systems"]["engine+mine.json"]["kernels"]["rmsnorm"] == {"impl": "reference"}
+        # The concurrent phase made every token it was asked for, and counted them.
+        assert r["systems"]["engine"]["metrics"]["concurrent_3_tok_s"]["tokens"] == 3 * 4
+        section = table.split(f"## {preset}\n")[1].split("\n## ")[0]
+        for row in ("decode, batch 1 (tok/s)", "TTFT, 20 tokens (ms)", "TTFT, 40 tokens (ms)",
+                    "output, 3 concurrent (tok/s)"):
+            assert f"| {row} |" in section
+        assert section.count("%)") == 3 * 4  # every system's four figures with their fractions
+        assert "| engine | ok |" in section and "| engine+mine.json | ok |" in section
+
+
+def test_a_bad_bench_option_is_one_line(capsys, tmp_path):
+    code = main(["engine", "bench", "--out", str(tmp_path), "--presets", "qwen3-9000b"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown presets" in err
+
+
+@pytest.mark.parametrize("preset, total_params, moe_params_per_layer", [
+    ("qwen3-8b", 8_190_735_360, 0),  # Qwen/Qwen3-8B, as transformers counts it
+    ("qwen3-30b-a3b", 30_532_122_624, 128 * 3 * 768 * 2048),  # Qwen/Qwen3-30B-A3B
+])
+def test_weight_bytes_of_one_decode_token_are_the_model_less_embeddings_and_idle_experts(
+        preset, total_params, moe_params_per_layer):
+    cfg = ModelConfig.from_preset(PRESETS[preset])
+    idle_experts = cfg.layers * moe_params_per_layer * (1 - 8 / 128) if cfg.is_moe else 0
+    expected = total_params - cfg.vocab * cfg.hidden + cfg.hidden - idle_experts
+    assert weight_bytes(cfg, 1, 2) == pytest.approx(2 * expected, rel=1e-12)
+    if cfg.is_moe:  # 32 tokens route to most of the 128 experts
+        assert weight_bytes(cfg, 1, 2) < weight_bytes(cfg, 32, 2) < 2 * total_params
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b"])
+def test_transformers_config_describes_the_same_model(preset):
+    from engine_templates.engine.oracle import hf_config
+
+    cfg = ModelConfig.from_preset(PRESETS[preset])
+    assert ModelConfig._parse(hf_config(cfg, "sdpa").to_dict(), cfg.model_type, Path("/nonexistent")) == cfg
+
+
+def test_transformers_model_shares_the_engine_weights_and_computes_the_same_logits():
+    from engine_templates.engine.oracle import HFOracle
+
+    cfg = ModelConfig.from_preset(PRESETS["tiny-moe"])
+    weights = random_weights(cfg, torch.float32, "cpu", seed=3)
+    oracle = HFOracle.sharing(cfg, weights)
+    hf = dict(oracle.model.named_parameters())
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.experts.gate_up_proj", "lm_head.weight"):
+        assert hf[name].data_ptr() == weights[name].data_ptr()
+    assert not any(w.requires_grad for w in weights.values())
+    norms = [w for n, w in weights.items() if n.endswith("norm.weight")]
+    assert norms and all(bool((w == 1).all()) for w in norms)
+    assert abs(float(weights["lm_head.weight"].std()) - 0.02) < 0.002
+    engine = LLMEngine(EngineConfig(dtype="fp32", device="cpu", max_num_seqs=2, max_model_len=64), cfg, weights)
+    prompt = [5, 77, 301, 9, 12]
+    seq = engine.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert oracle.greedy(prompt, 5) == seq.completion_token_ids
+    assert max(abs(a - b) for a, b in zip(oracle.logprobs(prompt, seq.completion_token_ids), seq.logprobs)) < 1e-4
+
+
+def test_an_engine_without_a_tokenizer_takes_only_token_ids():
+    cfg = ModelConfig.from_preset(PRESETS["tiny"])
+    engine = LLMEngine(EngineConfig(dtype="fp32", device="cpu", max_num_seqs=2, max_model_len=64), cfg,
+                       random_weights(cfg, torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("text", SamplingParams())
+    with pytest.raises(ValueError, match="stop strings"):
+        engine.add_request([1, 2], SamplingParams(stop=("x",)))
+
+
+@pytest.mark.parametrize("preset, kernels", [("tiny", {}), ("tiny-moe", {}),
+                                             ("tiny", {"decode_attention": SPLIT_KV})])
+def test_decode_graph_buffers_padding_and_width_buckets_give_the_eager_answers(preset, kernels):
+    """DecodeGraphs without capture runs each decode step on its static buffers, padded to the
+    batch size and block-table width it would replay: the answers must be the plain path's."""
+    cfg = ModelConfig.from_preset(PRESETS[preset])
+    weights = random_weights(cfg, torch.float32, "cpu", seed=1)
+    config = EngineConfig(dtype="fp32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128,
+                          kernels=kernels)
+    plain, padded = LLMEngine(config, cfg, weights), LLMEngine(config, cfg, weights)
+    graphs = padded.runner.graphs = DecodeGraphs(padded.runner, cfg, capture=False)
+    assert graphs.sizes == ([1, 2, 4] if cfg.is_moe else [1, 2, 4, 8]) and graphs.widths == [8, 16, 32]
+    # Three sequences (a batch of 4 with a padding row); the longest table grows past 8 blocks.
+    prompts = [[3, 1, 4, 1, 5], list(range(10, 40)), [7] * 17]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = plain.generate(prompts, params)
+    got = padded.generate(prompts, params)
+    for e, g in zip(expected, got):
+        assert g.completion_token_ids == e.completion_token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) < 1e-5
+    # The last step ran through the buffers: three real rows, then a padding row of length 1.
+    assert graphs.seq_lens[:4].tolist() == [s.num_tokens - 1 for s in got] + [1]
+    assert graphs.block_table[3, :16].tolist() == [padded.runner.scratch_block] * 16
+
+
+def test_the_bench_imports_nothing_a_gpu_host_lacks(tmp_path):
+    """The GPU hosts have torch, triton, transformers, aiohttp and numpy, not the controller's
+    packages: `python -m engine_templates.engine bench` must not import them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from engine_templates.engine.cli import main\n"
+        f"rc = main(['bench', '--out', {str(tmp_path)!r}, '--presets', 'tiny', '--dtype', 'fp32',\n"
+        "            '--device', 'cpu', '--decode-tokens', '2', '--hf-decode-tokens', '2',\n"
+        "            '--ttft-lengths', '8', '--ttft-reps', '1', '--concurrency', '2', '--concurrent-prompt', '4',\n"
+        "            '--concurrent-tokens', '2', '--hf-concurrent-tokens', '2', '--check-tokens', '2'])\n"
+        "controller = {'prefect', 'mlflow', 'pydantic', 'optuna', 'flows', 'tasks', 'tracking', 'gpu_pool', 'proposers'}\n"
+        "print(rc, sorted(controller & {m.split('.')[0] for m in sys.modules}))\n")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr
+
+
+def test_the_shipped_templates_kernels_file_names_a_template_for_every_op():
+    from engine_templates.engine.kernels import ENGINE_OPS, KernelSet, parse_kernels_file
+
+    path = Path(__file__).resolve().parent.parent / "engine_templates" / "engine" / "bench" / "templates.json"
+    choices = KernelSet(parse_kernels_file(path)).choices
+    assert set(choices) == set(ENGINE_OPS) and all(c["impl"] == "template" for c in choices.values())
