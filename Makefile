@@ -11,5 +11,6 @@ $(VENV)/.installed: pyproject.toml infra/setup.sh
 optimize: setup
 	$(BIN)/infersmith optimize --op rmsnorm --model tiny --budget 8
 
+# Two workers: CI has two cores, and most tests wait on harness subprocesses.
 test: setup
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n 2

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from engine_templates.ops import get_op
 from flows.pipeline import run_stages
-from flows.target import Target
-from gpu_pool.executors import executor_for
+from flows.target import Target, is_tiny
+from gpu_pool.executors import LocalExecutor, SSHExecutor, executor_for
 from gpu_pool.pool import Slot
 from harness.gauntlet import Case
 from harness.verdict import PASS, Verdict
@@ -39,10 +40,24 @@ class Row:
         return v.status == c.expect and v.failing_gate is not None and v.failing_gate.name == c.gate
 
 
-def run_case(case: Case, target: Target, slot: Slot) -> Row:
+def target_for(case: Case, target: Target) -> Target:
+    """The target a case runs on: the given one, with the case's stage time limit. An op that
+    cannot take a dense model (fused_moe) gets the mixture-of-experts preset of its size class,
+    so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
-    target = target.model_copy(update={"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})})
-    executor = executor_for(slot)
+    update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
+    w = target.workload
+    try:
+        get_op(case.op).shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+    except ValueError:
+        update["model"] = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
+    return target.model_copy(update=update)
+
+
+def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None) -> Row:
+    """One case through the pipeline, on `executor` (default: the slot's own)."""
+    target = target_for(case, target)
+    executor = executor or executor_for(slot)
 
     def run_stage(stage: str, job, slot: Slot, timeout_s: float):
         if case.memory_mb:  # the runaway cases prove the limit with a smaller one

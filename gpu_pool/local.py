@@ -36,15 +36,17 @@ def _tail(path: Path, n: int = 4000) -> str:
 class LocalExecutor:
     """Each stage is a fresh `python -m harness` process in its own session and scratch dir."""
 
-    def __init__(self, python: str = sys.executable, scratch_root: Path | None = None):
+    def __init__(self, python: str = sys.executable, scratch_root: Path | None = None,
+                 worker_root: Path = WORKER_ROOT):
         self.python = python
         self.scratch_root = scratch_root
+        self.worker_root = worker_root  # harness/ and engine_templates/: this checkout, or an unpacked bundle
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         scratch = Path(tempfile.mkdtemp(prefix=f"infersmith-{job.candidate.id}-{job.stage}-",
                                         dir=self.scratch_root))
         (scratch / "job.json").write_text(job.to_json())
-        env = dict(os.environ, PYTHONPATH=str(WORKER_ROOT), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(self.worker_root), PYTHONUNBUFFERED="1")
         if slot.gpu is None:
             env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
         else:

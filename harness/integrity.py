@@ -66,12 +66,14 @@ class Identities:
 
 
 def tree_digest(roots: list[Path]) -> dict[str, str]:
-    """sha256 of every file under `roots`, __pycache__ included (a planted .pyc is a patched copy)."""
+    """sha256 and modification time of every file under `roots`, __pycache__ included (a planted
+    .pyc is a patched copy). The time catches a write that left the bytes as they were: the
+    candidate wrote into the harness, whatever it wrote."""
     out = {}
     for root in roots:
         for path in sorted(root.rglob("*")):
             if path.is_file():
-                out[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+                out[str(path)] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {path.stat().st_mtime_ns}"
     return out
 
 

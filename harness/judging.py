@@ -13,7 +13,7 @@ from harness import ceilings, device as devices, timing
 from harness.channel import ProtocolError, read_frame
 from harness.checks import judge
 from harness.job import Job
-from harness.stages import persistent, shapes_by_label
+from harness.stages import shapes_by_label
 from harness.supervisor import check_plan, fresh_seeds
 from harness.verdict import PASS, ShapeTiming, Verdict
 
@@ -95,7 +95,7 @@ class Judge:
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
-                    args = tuple(a if persistent(self.op, i) or not isinstance(a, torch.Tensor) else fresh[i]
+                    args = tuple(a if self.op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
                 gate = "caching" if phase == "refill" else "timed_outputs"
                 where = f"{spec['shape']} ({phase} input set {j})"

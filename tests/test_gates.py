@@ -94,3 +94,15 @@ def test_reference_fallback_scores_no_speed_up():
     assert v.score() == 1.0
     v.flags = []
     assert v.score() == pytest.approx(10.0)
+
+
+def test_ops_declare_their_persistent_arguments():
+    """What the caching probe leaves alone: weights and tables built at load, never the KV cache,
+    lengths, block tables or router logits, which change every step of an engine."""
+    from engine_templates.ops import OPS
+
+    for op in OPS.values():
+        assert set(op.persistent) <= set(op.arg_names), op.name
+    assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
+        "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
+        "fused_moe": {"w_gate_up", "w_down"}}

@@ -89,6 +89,11 @@ class Op(ABC):
     summary: str
     n_outputs: int = 1
     templates: dict[str, Template] = {}
+    # Arguments that stay the same from call to call in a real engine: weights and tables built
+    # once at load (rope's cos/sin cache, MoE experts). A candidate may cache what it derives
+    # from them; everything else (activations, the KV cache, lengths, block tables, router
+    # logits) changes every step, and the harness's caching probe refills it in place.
+    persistent: tuple[str, ...] = ()
 
     @abstractmethod
     def shapes(self, model: ModelDims, decode_batches: list[int], prefill_tokens: list[int],
@@ -124,3 +129,7 @@ class Op(ABC):
     def arg_names(self) -> list[str]:
         inside = self.signature[self.signature.index("(") + 1: self.signature.rindex(")")]
         return [a.strip() for a in inside.split(",") if a.strip()]
+
+    def is_persistent(self, i: int) -> bool:
+        """Whether positional argument `i` is one of the op's declared persistent arguments."""
+        return self.arg_names[i] in self.persistent

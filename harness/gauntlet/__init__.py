@@ -26,6 +26,7 @@ class Case:
     timeout_s: float | None = None
     memory_mb: int | None = None
     note: str = ""
+    ci: bool = True  # false: only `infersmith gauntlet` (and pytest --gauntlet-all) runs it
 
     def __post_init__(self) -> None:
         assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"

@@ -54,6 +54,7 @@ def _cdiv(a: int, b: int) -> int:
 class DecodeAttention(Op):
     name = "decode_attention"
     signature = "decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale)"
+    persistent = ()  # not the KV cache: new tokens' keys and values land in it every step
     summary = ("q[batch, q_heads, head_dim] against a KV cache of seq_lens[batch] positions "
                "(contiguous [batch, max_len, kv_heads, head_dim], or paged [blocks, block_size, "
                "kv_heads, head_dim] + block_table[batch, max_blocks]) -> new tensor like q")

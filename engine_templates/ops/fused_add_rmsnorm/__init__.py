@@ -16,6 +16,7 @@ class FusedAddRMSNorm(RMSNorm):
 
     name = "fused_add_rmsnorm"
     signature = "fused_add_rmsnorm(x, residual, weight, eps)"
+    persistent = ("weight",)
     summary = ("r = x[tokens, hidden] + residual[tokens, hidden]; "
                "(r / rms(r) * weight[hidden], r) -> two new tensors like x")
     n_outputs = 2

@@ -46,6 +46,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
 class FusedMoE(Op):
     name = "fused_moe"
     signature = "fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)"
+    persistent = ("w_gate_up", "w_down")  # the router logits are this step's, not a weight
     summary = ("x[tokens, hidden] through its top_k of experts (softmax over router_logits"
                "[tokens, experts]; w_gate_up[experts, 2*inter, hidden], w_down[experts, hidden, "
                "inter]) -> new tensor like x")

@@ -63,6 +63,7 @@ def _gather(cache, block_table, b, length):
 class PrefillAttention(Op):
     name = "prefill_attention"
     signature = "prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale)"
+    persistent = ()  # not the KV cache: this step's chunk is written into it before the call
     summary = ("causal attention of q[total_q, q_heads, head_dim] (the last q_len positions of each "
                "sequence) over a paged cache [blocks, block_size, kv_heads, head_dim] -> new tensor like q")
     templates = {FLASH_TEMPLATE.name: FLASH_TEMPLATE}

@@ -30,6 +30,7 @@ def token_shapes(prefix_dims: dict[str, int], decode_batches, prefill_tokens) ->
 class RMSNorm(Op):
     name = "rmsnorm"
     signature = "rmsnorm(x, weight, eps)"
+    persistent = ("weight",)
     summary = "x[tokens, hidden] / rms(x) * weight[hidden] -> new tensor like x"
     templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
 

@@ -50,6 +50,7 @@ def _rotate(x, cos, sin):
 class Rope(Op):
     name = "rope"
     signature = "rope(q, k, cos_sin, positions)"
+    persistent = ("cos_sin",)  # built once from rope_theta
     summary = ("q[tokens, q_heads, head_dim], k[tokens, kv_heads, head_dim] rotated by "
                "cos_sin[positions] -> two new tensors like q and k")
     n_outputs = 2

@@ -1,0 +1,22 @@
+# expect: fail accuracy (flagged reduced_precision) — runs the experts on fp8 (e5m2) copies of
+# their weights and of the activations: a numerics change, not an optimization of this op.
+import torch
+
+
+def _moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    weights, experts = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in experts.unique().tolist():  # each expert once, on the tokens that picked it
+        tokens, slots = (experts == e).nonzero(as_tuple=True)
+        gu = x[tokens].float() @ w_gate_up[e].float().t()
+        act = gu[:, :inter] * torch.sigmoid(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tokens, (act @ w_down[e].float().t()) * weights[tokens, slots, None])
+    return out.to(x.dtype)
+
+
+def fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    x8, gu8, d8 = (t.to(torch.float8_e5m2).to(x.dtype) for t in (x, w_gate_up, w_down))
+    return _moe(x8, router_logits, gu8, d8, top_k, renormalize)
