@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 USAGE_ERROR = 2
@@ -236,26 +237,43 @@ def cmd_gauntlet(args) -> int:
     cases = load_cases(args.op)
     if not cases:
         raise UsageError(f"the gauntlet has no cases for {args.op}")
+    if args.case:
+        cases = [c for c in cases if any(part in c.name for part in args.case)]
+        if not cases:
+            raise UsageError(f"no gauntlet case{' of ' + args.op if args.op else ''} has "
+                             f"{' or '.join(repr(p) for p in args.case)} in its name")
     slots = _pool(args.pool).slots(args.gpu_class)
     if not slots:
         raise UsageError(f"the pool has no slot of class {args.gpu_class}")
+    if args.jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, not {args.jobs}")
     slot = slots[0]
     target = Target(model=args.model, budget={"stage_timeout_s": args.stage_timeout})
-    print(f"gauntlet: {len(cases)} cases on {slot.label}", file=sys.stderr)
+    print(f"gauntlet: {len(cases)} cases on {slot.label}"
+          + (f", {args.jobs} at a time (one bench stage at a time)" if args.jobs > 1 else ""), file=sys.stderr)
 
     rows = []
 
     def progress(row):
         rows.append(row)
-        print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got}",
-              file=sys.stderr)
+        print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got} "
+              f"[{len(rows)}/{len(cases)}]", file=sys.stderr)
 
-    try:
-        run_gauntlet(cases, target, slot, progress)
-    except KeyboardInterrupt:  # the cases that finished are still a result: print them
-        print(table(rows, on_gpu=slot.gpu is not None))
-        print(f"\ninterrupted after {len(rows)} of {len(cases)} cases")
-        raise
+    with tempfile.TemporaryDirectory(prefix="infersmith-gauntlet-") as root:
+        executor = None
+        if slot.host.is_local:
+            # The cases run from a copy of the worker packages, as on a pool host: the one that
+            # writes into the harness touches that copy, not this checkout.
+            from gpu_pool.bundle import current_bundle, unpack
+            from gpu_pool.local import LocalExecutor
+
+            executor = LocalExecutor(worker_root=unpack(current_bundle(), Path(root)))
+        try:
+            rows = run_gauntlet(cases, target, slot, progress, jobs=args.jobs, executor=executor)
+        except KeyboardInterrupt:  # the cases that finished are still a result: print them
+            print(table(rows, on_gpu=slot.gpu is not None))
+            print(f"\ninterrupted after {len(rows)} of {len(cases)} cases")
+            raise
     print(table(rows, on_gpu=slot.gpu is not None))
     return 0 if all(r.ok for r in rows) else 1
 
@@ -434,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-class", default="any", help="use a slot of this class (any, cpu, h100, h200, b200)")
     g.add_argument("--model", default="tiny", help="model preset for the shapes (default tiny)")
     g.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one stage may run")
+    g.add_argument("--case", action="append", help="only cases whose name (op/file or op/template[point]) "
+                   "contains this; repeatable")
+    g.add_argument("--jobs", type=int, default=1, help="cases at once on the slot; their bench stages still "
+                   "run one at a time (default 1)")
     g.set_defaults(fn=cmd_gauntlet)
 
     pl = sub.add_parser("pool", help="the GPU hosts of a pool.yaml: check them, free their leases")

@@ -3,9 +3,18 @@
 Each case runs through the same stages as any candidate (compile → check → bench, stopping
 at the first that does not pass) on the same executor, so the table proves the gates of
 the host it ran on. Red-team cases are cheap: most stop at screening or in the check stage.
+
+With `jobs` > 1, that many cases run at once on the one slot, but never two bench stages:
+timing, the speed-of-light gate and the hidden-work cross-check see the GPU as a lone
+candidate would. A case marked `alone` in the manifest (one that writes where every stage
+looks, such as the harness) runs after the others, with nothing beside it.
 """
 from __future__ import annotations
 
+import sys
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -54,15 +63,18 @@ def target_for(case: Case, target: Target) -> Target:
     return target.model_copy(update=update)
 
 
-def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None) -> Row:
-    """One case through the pipeline, on `executor` (default: the slot's own)."""
+def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,
+             bench_lock: threading.Lock | None = None) -> Row:
+    """One case through the pipeline, on `executor` (default: the slot's own); its bench stage
+    holds `bench_lock` when one is given."""
     target = target_for(case, target)
     executor = executor or executor_for(slot)
 
     def run_stage(stage: str, job, slot: Slot, timeout_s: float):
         if case.memory_mb:  # the runaway cases prove the limit with a smaller one
             job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb))
-        return executor.run(job, slot, timeout_s)
+        with bench_lock if bench_lock is not None and stage == "bench" else nullcontext():
+            return executor.run(job, slot, timeout_s)
 
     charge = Charge()
     verdict = run_stages(case.candidate(), target, slot, run_stage, charge)
@@ -70,12 +82,42 @@ def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | S
 
 
 def run_gauntlet(cases: list[Case], target: Target, slot: Slot,
-                 progress: Callable[[Row], None] = lambda row: None) -> list[Row]:
-    rows = []
-    for case in cases:
-        rows.append(run_case(case, target, slot))
-        progress(rows[-1])
-    return rows
+                 progress: Callable[[Row], None] = lambda row: None, jobs: int = 1,
+                 executor: LocalExecutor | SSHExecutor | None = None) -> list[Row]:
+    """Every case, `jobs` at a time (see the module's docstring); rows in the order of `cases`,
+    `progress` called as each finishes. On KeyboardInterrupt no further case starts; the ones
+    in flight finish (a second Ctrl-C abandons them) and the exception goes on."""
+    executor = executor or executor_for(slot)
+    if jobs <= 1:
+        rows = []
+        for case in cases:
+            rows.append(run_case(case, target, slot, executor))
+            progress(rows[-1])
+        return rows
+    lock = threading.Lock()
+    done: dict[int, Row] = {}
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gauntlet") as pool:
+        pending = {pool.submit(run_case, c, target, slot, executor, lock): i
+                   for i, c in enumerate(cases) if not c.alone}
+        try:
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    done[pending.pop(future)] = row = future.result()
+                    progress(row)
+        except KeyboardInterrupt:
+            running = sum(not f.cancel() for f in pending)
+            print(f"interrupted: no new case starts; waiting for the {running} in flight "
+                  "(Ctrl-C again to abandon them)", file=sys.stderr)
+            for future in pending:
+                if not future.cancelled():
+                    progress(future.result())
+            raise
+    for i, case in enumerate(cases):  # alone: nothing else runs meanwhile
+        if case.alone:
+            done[i] = row = run_case(case, target, slot, executor)
+            progress(row)
+    return [done[i] for i in sorted(done)]
 
 
 def table(rows: list[Row], on_gpu: bool) -> str:

@@ -52,3 +52,18 @@ def current_bundle() -> Bundle:
     """The bundle of the sources as they are now; rebuilt only when a file changed."""
     stamp = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in _files(WORKER_ROOT))
     return _cached(stamp)
+
+
+def unpack(bundle: Bundle, root: Path) -> Path:
+    """The bundle extracted under `root`, its bytecode compiled by this interpreter: a worker
+    root (LocalExecutor(worker_root=...)) whose first imports write nothing under harness/, so
+    that stages running side by side never see each other's compiles as writes."""
+    import compileall
+
+    with tarfile.open(fileobj=io.BytesIO(bundle.tarball), mode="r:gz") as tar:
+        tar.extractall(root, filter="data")
+    for package in WORKER_PACKAGES:
+        # quiet=2: the gauntlet's syntax_error.py does not compile, on purpose
+        compileall.compile_dir(root / package, quiet=2)
+    return root
+

@@ -9,15 +9,13 @@ and persistent-cache honest candidates. The cases marked `ci = false` (the same 
 per op, template far points) run with `pytest --gauntlet-all` and in `infersmith gauntlet`."""
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from flows.gauntlet import run_case, table, target_for
 from flows.target import Target
-from gpu_pool.bundle import current_bundle
+from gpu_pool.bundle import current_bundle, unpack
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import local_pool
 from harness.gauntlet import load_cases
@@ -36,10 +34,7 @@ def bundle_executor(tmp_path_factory) -> LocalExecutor:
     """Stages run from an unpacked worker bundle, as on a pool host, not from the checkout: the
     integrity gate watches that copy, so a case that writes into the harness changes neither
     the checkout nor a stage another test runs meanwhile (pytest-xdist)."""
-    root = tmp_path_factory.mktemp("worker-bundle")
-    with tarfile.open(fileobj=io.BytesIO(current_bundle().tarball), mode="r:gz") as tar:
-        tar.extractall(root, filter="data")
-    return LocalExecutor(worker_root=root)
+    return LocalExecutor(worker_root=unpack(current_bundle(), tmp_path_factory.mktemp("worker-bundle")))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -97,3 +92,25 @@ def test_table_marks_a_wrong_verdict():
     passed = Verdict(op=case.op, candidate_id="x")
     text = table([Row(case, passed, 1.0)], on_gpu=False)
     assert "| pass | **NO** |" in text and "red team rejected as expected: 0/1" in text
+
+
+def test_cases_side_by_side_from_the_command(capsys):
+    """`infersmith gauntlet --jobs 3`: cases run at once from an unpacked copy of the worker
+    packages; the one that writes into the harness runs last, alone, and touches neither the
+    checkout nor the cases beside it (each of which would otherwise fail harness_integrity)."""
+    from flows.cli import main
+
+    checkout = Path(__file__).resolve().parent.parent / "harness"
+    before = sorted(p.name for p in checkout.iterdir())
+    code = main(["gauntlet", "--op", "rmsnorm", "--jobs", "3", "--stage-timeout", "120",
+                 "--case", "writes_harness", "--case", "stale_buffer", "--case", "mutates_input",
+                 "--case", "rmsnorm/rows[default]"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "4 cases on" in err and "3 at a time" in err
+    progress = [line.split(":")[0].split()[-1] for line in err.splitlines() if line.startswith("  ok ")]
+    assert len(progress) == 4 and progress[-1] == "rmsnorm/writes_harness", err
+    assert "red team rejected as expected: 3/3; honest passed: 1/1" in out
+    table_order = [line.split("`")[1] for line in out.splitlines() if line.startswith("| red team")]
+    assert table_order == ["rmsnorm/stale_buffer", "rmsnorm/mutates_input", "rmsnorm/writes_harness"]
+    assert sorted(p.name for p in checkout.iterdir()) == before

@@ -27,6 +27,7 @@ class Case:
     memory_mb: int | None = None
     note: str = ""
     ci: bool = True  # false: only `infersmith gauntlet` (and pytest --gauntlet-all) runs it
+    alone: bool = False  # it writes where other stages look: never run beside another case
 
     def __post_init__(self) -> None:
         assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"
