@@ -256,7 +256,9 @@ def cmd_gauntlet(args) -> int:
 
     def progress(row):
         rows.append(row)
-        print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got} "
+        gate = row.verdict.failing_gate
+        why = f" — {gate.detail}" if not row.ok and gate is not None and gate.detail else ""
+        print(f"  {'ok ' if row.ok else 'BAD'} {row.case.name}: expected {row.case.expected}, got {row.got}{why} "
               f"[{len(rows)}/{len(cases)}]", file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="infersmith-gauntlet-") as root:

@@ -6,8 +6,10 @@ the host it ran on. Red-team cases are cheap: most stop at screening or in the c
 
 With `jobs` > 1, that many cases run at once on the one slot, but never two bench stages:
 timing, the speed-of-light gate and the hidden-work cross-check see the GPU as a lone
-candidate would. A case marked `alone` in the manifest (one that writes where every stage
-looks, such as the harness) runs after the others, with nothing beside it.
+candidate would; and each case may allocate only its share (1/jobs) of the device memory a
+lone candidate may, so that one case's allocations never fail another's. A case marked
+`alone` in the manifest (one that writes where every stage looks, such as the harness, or
+takes memory until a limit stops it) runs after the others, with nothing beside it.
 """
 from __future__ import annotations
 
@@ -64,15 +66,17 @@ def target_for(case: Case, target: Target) -> Target:
 
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,
-             bench_lock: threading.Lock | None = None) -> Row:
+             bench_lock: threading.Lock | None = None, share: int = 1) -> Row:
     """One case through the pipeline, on `executor` (default: the slot's own); its bench stage
-    holds `bench_lock` when one is given."""
+    holds `bench_lock` when one is given; it may allocate 1/`share` of the usual device memory."""
     target = target_for(case, target)
     executor = executor or executor_for(slot)
 
     def run_stage(stage: str, job, slot: Slot, timeout_s: float):
         if case.memory_mb:  # the runaway cases prove the limit with a smaller one
             job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb))
+        if share > 1:
+            job = replace(job, rules=replace(job.rules, gpu_memory_fraction=job.rules.gpu_memory_fraction / share))
         with bench_lock if bench_lock is not None and stage == "bench" else nullcontext():
             return executor.run(job, slot, timeout_s)
 
@@ -97,7 +101,7 @@ def run_gauntlet(cases: list[Case], target: Target, slot: Slot,
     lock = threading.Lock()
     done: dict[int, Row] = {}
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gauntlet") as pool:
-        pending = {pool.submit(run_case, c, target, slot, executor, lock): i
+        pending = {pool.submit(run_case, c, target, slot, executor, lock, jobs): i
                    for i, c in enumerate(cases) if not c.alone}
         try:
             while pending:
@@ -127,6 +131,9 @@ def table(rows: list[Row], on_gpu: bool) -> str:
     for r in sorted(rows, key=lambda r: r.case.honest):
         c = r.case
         note = c.note
+        if not r.ok and r.verdict.failing_gate is not None:  # what a person needs to see why
+            detail = r.verdict.failing_gate.detail.replace("|", "/").replace("\n", " ")[:300]
+            note = (note + "; " if note else "") + f"got: {detail}"
         if not on_gpu and c.vector in ("hidden work", "timer patching") and "GPU" not in note:
             note = (note + "; " if note else "") + "stream/event paths need a GPU"
         lines.append(f"| {'honest' if c.honest else 'red team'} | {c.vector} | `{c.name}` | {c.expected} | "

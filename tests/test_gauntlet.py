@@ -92,6 +92,10 @@ def test_table_marks_a_wrong_verdict():
     passed = Verdict(op=case.op, candidate_id="x")
     text = table([Row(case, passed, 1.0)], on_gpu=False)
     assert "| pass | **NO** |" in text and "red team rejected as expected: 0/1" in text
+    wrong = Verdict(op=case.op, candidate_id="y")
+    wrong.gate("runtime", False, "CUDA out of memory | tried 2 GiB")
+    text = table([Row(case, wrong, 1.0)], on_gpu=True)
+    assert "| fail runtime | **NO** |" in text and "got: CUDA out of memory / tried 2 GiB |" in text
 
 
 def test_cases_side_by_side_from_the_command(capsys):
