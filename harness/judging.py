@@ -97,7 +97,7 @@ class Judge:
                     fresh = self._args(spec["shape"], spec["refill"][j])
                     args = tuple(a if self.op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
-                gate = "caching" if phase == "refill" else "timed_outputs"
+                gate = "caching" if phase == "refill" else "timed_outputs"  # timed: events; graph: replayed
                 where = f"{spec['shape']} ({phase} input set {j})"
             else:
                 raise ValueError(item)
@@ -114,6 +114,9 @@ class Judge:
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
+        elif parts[0] == "bench" and parts[2] == "graph":
+            detail += (" — what the CUDA graph that was timed computed: the candidate does less (or other work) "
+                       "while captured than when called")
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
 
     # -- the end --------------------------------------------------------------

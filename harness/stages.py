@@ -86,22 +86,23 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         shape = shapes[item["shape"]]
         arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
         method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
-        how = "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
+        asked = "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
         try:  # the baselines failing is the platform's fault, not the candidate's
-            eager_us = timing.median_us(op.eager, arg_sets, method)
-            compile_us = timing.median_us(compiled, arg_sets, method) if compiled else None
+            eager = timing.median_us(op.eager, arg_sets, method)
+            comp = timing.median_us(compiled, arg_sets, method) if compiled else None
         except Exception as e:
             send("gate", name="baseline", passed=False, crash=True,
-                 detail=f"{shape.label}: timing the baselines ({how}) failed: {describe_exception(e)}")
+                 detail=f"{shape.label}: timing the baselines ({asked}) failed: {describe_exception(e)}")
             return
         try:
-            cand_us = timing.median_us(fn, arg_sets, method)
-            cand_us_2 = timing.median_us(fn, arg_sets, method)
-            wall_us = timing.wall_per_call_us(fn, arg_sets) if how == "events" else None
+            cand = timing.median_us(fn, arg_sets, method)
+            cand_2 = timing.median_us(fn, arg_sets, method)
+            wall_us = timing.wall_per_call_us(fn, arg_sets) if cand.how == "events" else None
         except Exception as e:
             send("gate", name=failure_gate(e, "runtime"), passed=False,
-                 detail=f"{shape.label} while timing ({how}): {describe_exception(e)}")
+                 detail=f"{shape.label} while timing ({asked}): {describe_exception(e)}")
             return
+        cand_us, cand_us_2 = cand.us, cand_2.us
         if wall_us is not None and wall_us > HOST_SLACK_RATIO * min(cand_us, cand_us_2) + HOST_SLACK_US:
             send("gate", name="hidden_work", passed=False,
                  detail=f"{shape.label}: device events say {min(cand_us, cand_us_2):.1f} us per call but calls "
@@ -109,9 +110,28 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
                         "stream or thread finishes after the timer stops")
             return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
-             eager_us=eager_us, compile_us=compile_us, method=how)
+             eager_us=eager.us, compile_us=comp.us if comp else None,
+             method=method_label(cand, eager, comp))
+        for j, outs in enumerate(cand.outputs):  # what the timed graph computed, judged like any output
+            if j in _probed(arg_sets):
+                send("outputs", list(outs), item=f"bench/{k}/graph/{j}")
         if not _probe(op, fn, arg_sets, shape, item, k, dtype, dev, send):
             return
+
+
+def method_label(cand: timing.Timed, eager: timing.Timed, comp: timing.Timed | None) -> str:
+    """How each was timed: one word when all agree, else e.g. "graph; eager: events (not
+    capturable: …)" — a system that could not be captured in a CUDA graph was timed with events."""
+    others = [("eager", eager), *([("compile", comp)] if comp else [])]
+    label = cand.how + (f" (not capturable: {cand.fallback})" if cand.fallback else "")
+    for name, t in others:
+        if t.how != cand.how:
+            label += f"; {name}: {t.how}" + (f" (not capturable: {t.fallback})" if t.fallback else "")
+    return label
+
+
+def _probed(arg_sets) -> list[int]:
+    return sorted({0, len(arg_sets) - 1})
 
 
 def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> bool:
@@ -119,7 +139,7 @@ def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> b
     does not declare persistent (`Op.persistent`: weights, constant tables) was refilled in place
     with new values (same storage, pointers and shapes). A cache derived from a persistent
     argument is an honest optimization and survives; one keyed on anything else goes stale."""
-    probed = sorted({0, len(arg_sets) - 1})
+    probed = _probed(arg_sets)
     for phase in ("timed", "refill"):
         if phase == "refill":
             for args, seed in zip(arg_sets, item["refill"]):
