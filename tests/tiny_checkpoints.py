@@ -1,8 +1,8 @@
 """Tiny Qwen3 and Qwen3-MoE checkpoints for the engine tests: random weights saved by HF
-transformers, a byte-level BPE tokenizer trained on the spot, a ChatML chat template."""
+transformers, a byte-level BPE tokenizer trained on the spot (engine_templates/engine/
+random_checkpoint.py's, on this corpus), a ChatML chat template."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -15,28 +15,14 @@ CORPUS = [
     "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols: + - * / = ( ) [ ] { } < > ' \" , .",
     "Continuous batching lets new requests join while others decode.",
 ] * 20
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 VOCAB = 384
 
 
 def train_tokenizer(out: Path) -> int:
     """Writes tokenizer.json and tokenizer_config.json; returns the EOS id (<|im_end|>)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from engine_templates.engine.random_checkpoint import train_tokenizer as train
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}))
-    return tok.token_to_id("<|im_end|>")
+    return train(out, CORPUS, bpe_vocab=VOCAB - 8)["<|im_end|>"]
 
 
 def make_checkpoint(out: Path, moe: bool, seed: int = 0) -> Path:

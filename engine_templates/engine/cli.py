@@ -1,4 +1,5 @@
-"""`engine generate`, `engine serve`, `engine serve-reference` and `engine bench`: shared by `infersmith engine ...` and, on a GPU host
+"""`engine generate`, `engine serve`, `engine serve-reference`, `engine bench` and
+`engine random-checkpoint`: shared by `infersmith engine ...` and, on a GPU host
 without the controller's packages, `python -m engine_templates.engine ...`.
 
 Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
@@ -15,7 +16,8 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    """Adds `generate`, `serve`, `serve-reference` and `bench` to an argparse subparsers object (each sets `engine_fn`)."""
+    """Adds `generate`, `serve`, `serve-reference`, `bench` and `random-checkpoint` to an argparse
+    subparsers object (each sets `engine_fn`)."""
     g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
     _add_engine_options(g)
     g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
@@ -70,6 +72,17 @@ def add_commands(sub) -> None:
     b.add_argument("--tolerance", type=float, help="nats, for agreement (default 0.25 in bf16/fp16, 1e-3 in fp32)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(engine_fn=cmd_bench)
+    c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
+                                                 "weights at a preset's shape and a tokenizer for them")
+    c.add_argument("--preset", required=True, help="the model preset whose shape it has, e.g. qwen3-8b")
+    c.add_argument("--out", required=True, type=Path, help="the model directory to write")
+    c.add_argument("--seed", type=int, default=0, help="the weights' seed (`engine bench --seed` draws the same)")
+    c.add_argument("--device", help="where the weights are drawn: cuda or cpu (default: cuda when available)")
+    c.add_argument("--layers", type=int, help="this many layers instead of the preset's (a small "
+                                              "checkpoint of the real width)")
+    c.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its "
+                                                        "config, tokenizer and safetensors files")
+    c.set_defaults(engine_fn=cmd_random_checkpoint)
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -215,6 +228,16 @@ def cmd_bench(args) -> int:
     except AssertionError as e:
         raise EngineSetupError(f"bad bench option: {e}") from None
     return run(opts)
+
+
+def cmd_random_checkpoint(args) -> int:
+    from engine_templates.engine.random_checkpoint import human_size, write_random_checkpoint
+
+    r = write_random_checkpoint(args.preset, args.out, seed=args.seed, device=args.device,
+                                layers=args.layers, force=args.force)
+    print(f"{r['preset']}: {r['parameters']:,} parameters, {human_size(r['bytes'])} in {r['shards']} "
+          f"shard(s), {r['seconds']:.1f} s -> {r['path']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

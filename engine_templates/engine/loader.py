@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,18 +51,45 @@ def load_weights(model: Qwen3Model, model_dir: Path) -> None:
                             f"e.g. {missing[0]}")
 
 
-def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
-                   std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Every weight drawn on the device itself (no host copy: 30B parameters in under a
-    second on a GPU): norms 1, the rest N(0, std) — transformers' own initialisation."""
-    weights = Qwen3Model(cfg, None, None, dtype, device).weights()
+def random_tensors(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
+                   std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight, by Qwen3Model.weights()'s names and in its order, drawn on the device one at
+    a time: norms 1, the rest N(0, std) — transformers' own initialisation. The same seed gives
+    the same tensors however many of them are kept."""
+    shapes = Qwen3Model(cfg, None, None, dtype, "meta").weights()
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, t in weights.items():
+    for name, meta in shapes.items():
+        t = torch.empty(meta.shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
         else:
             t.normal_(0.0, std, generator=gen)
-    return weights
+        yield name, t
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Every weight drawn on the device itself (no host copy: 30B parameters in under a
+    second on a GPU), as random_tensors draws them."""
+    return dict(random_tensors(cfg, dtype, device, seed, std))
+
+
+def checkpoint_entries(name: str, tensor: torch.Tensor,
+                       moe_intermediate: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of one of Qwen3Model.weights(), in the layout HF checkpoints
+    store: an expert stack becomes each expert's own gate_proj, up_proj or down_proj (views of
+    the stack; the inverse of what load_weights fills)."""
+    for stack in EXPERT_STACKS:
+        if name.endswith(stack):
+            prefix = name[:-len(stack)] + "mlp.experts."
+            for e in range(tensor.shape[0]):
+                if stack == EXPERT_STACKS[1]:
+                    yield f"{prefix}{e}.down_proj.weight", tensor[e]
+                else:
+                    yield f"{prefix}{e}.gate_proj.weight", tensor[e, :moe_intermediate]
+                    yield f"{prefix}{e}.up_proj.weight", tensor[e, moe_intermediate:]
+            return
+    yield name, tensor
 
 
 def tensor_for(model: Qwen3Model, name: str) -> torch.Tensor | None:
