@@ -25,6 +25,7 @@ class Judge:
         self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
         v.device = devices.describe(self.device)
         self.judged, self.worst, self.done = 0, 0.0, False
+        self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
@@ -106,6 +107,7 @@ class Judge:
             return
         result = judge(self.op, outs, args, self.job.rules.rtol)
         self.judged += 1
+        self.graph_judged += parts[0] == "bench" and parts[2] == "graph"
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
         if result.ok:
@@ -145,8 +147,11 @@ class Judge:
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
             probes = sum(2 * len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"])
-            if self.judged != probes:
-                v.gate("protocol", False, f"{self.judged} of {probes} probe outputs reported")
+            graphed = {t.label for t in v.timings if t.method.startswith("graph")}
+            graph_outputs = sum(len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"] if s["shape"] in graphed)
+            if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
+                v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
+                                          f"{self.graph_judged} of {graph_outputs} timed-graph outputs reported")
                 return
             speed_of_light(self.job, v)
 
