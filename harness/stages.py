@@ -112,9 +112,8 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
              eager_us=eager.us, compile_us=comp.us if comp else None,
              method=method_label(cand, eager, comp))
-        for j, outs in enumerate(cand.outputs):  # what the timed graph computed, judged like any output
-            if j in _probed(arg_sets):
-                send("outputs", list(outs), item=f"bench/{k}/graph/{j}")
+        for j, outs in cand.outputs.items():  # what the timed graph computed, judged like any output
+            send("outputs", list(outs), item=f"bench/{k}/graph/{j}")
         if not _probe(op, fn, arg_sets, shape, item, k, dtype, dev, send):
             return
 
@@ -130,16 +129,12 @@ def method_label(cand: timing.Timed, eager: timing.Timed, comp: timing.Timed | N
     return label
 
 
-def _probed(arg_sets) -> list[int]:
-    return sorted({0, len(arg_sets) - 1})
-
-
 def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> bool:
     """Outputs of the timed function on what it was timed on, then after every input the op
     does not declare persistent (`Op.persistent`: weights, constant tables) was refilled in place
     with new values (same storage, pointers and shapes). A cache derived from a persistent
     argument is an honest optimization and survives; one keyed on anything else goes stale."""
-    probed = _probed(arg_sets)
+    probed = sorted({0, len(arg_sets) - 1})  # as the timed graph's outputs (timing._graph_median_us)
     for phase in ("timed", "refill"):
         if phase == "refill":
             for args, seed in zip(arg_sets, item["refill"]):

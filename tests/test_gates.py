@@ -106,3 +106,17 @@ def test_ops_declare_their_persistent_arguments():
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
         "fused_moe": {"w_gate_up", "w_down"}}
+
+
+def test_timing_method_says_which_contender_was_not_captured():
+    """A function that cannot be captured in a CUDA graph is timed with events; the timing's
+    method says so for the contender it concerns, and one word when all were timed alike."""
+    from harness.stages import method_label
+    from harness.timing import Timed
+
+    graph, events = Timed(1.0, "graph"), Timed(2.0, "events", fallback="RuntimeError: sync while capturing")
+    assert method_label(graph, graph, graph) == "graph"
+    assert method_label(Timed(1.0, "wall"), Timed(1.0, "wall"), None) == "wall"
+    assert method_label(graph, events, graph) == "graph; eager: events (not capturable: RuntimeError: sync while capturing)"
+    assert method_label(events, graph, None) == ("events (not capturable: RuntimeError: sync while capturing); "
+                                                 "eager: graph")
