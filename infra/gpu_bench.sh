@@ -9,17 +9,8 @@
 # EXTRA: more `infersmith optimize` options, e.g. EXTRA="--decode-batches 1,32".
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
-# Once per host and wheel set: a later call on the same host skips the install.
-stamp=$(ls .whl | sha256sum | cut -c1-16)
-if [ "$(cat /tmp/site/.infersmith-wheels 2>/dev/null)" != "$stamp" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
-    echo "$stamp" > /tmp/site/.infersmith-wheels
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_HOME=/tmp/prefect-home
-export INFERSMITH_HOME=${INFERSMITH_HOME:-/tmp/infersmith-home} PREFECT_SERVER_ANALYTICS_ENABLED=false
-# RESTORE: a home.tgz from an earlier call, so that runs accumulate in one tracking store.
-if [ -n "${RESTORE:-}" ] && [ -f "$RESTORE" ]; then tar xzf "$RESTORE" -C "$(dirname "$INFERSMITH_HOME")"; fi
+mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/bench.log"
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
     for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
@@ -33,6 +24,6 @@ for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
             | sed -u -E 's/^.* - //' | tee -a "$out/bench.log"
         # After every op, so that a call cut short still brings back what finished.
         python3 -m flows.cli report > "$out/report.md" 2>> "$out/bench.log"
-        tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")"
+        pack_home
     done
 done
