@@ -248,6 +248,12 @@ def cmd_gauntlet(args) -> int:
     if args.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, not {args.jobs}")
     slot = slots[0]
+    if slot.gpu is None and any(c.gpu_only for c in cases):
+        skipped = [c.name for c in cases if c.gpu_only]
+        print(f"gauntlet: not run on {slot.label}, which has no GPU: {', '.join(skipped)}", file=sys.stderr)
+        cases = [c for c in cases if not c.gpu_only]
+        if not cases:
+            raise UsageError(f"every chosen case needs a GPU, and {slot.label} has none")
     target = Target(model=args.model, budget={"stage_timeout_s": args.stage_timeout})
     print(f"gauntlet: {len(cases)} cases on {slot.label}"
           + (f", {args.jobs} at a time (one bench stage at a time)" if args.jobs > 1 else ""), file=sys.stderr)

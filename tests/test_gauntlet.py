@@ -39,6 +39,9 @@ def bundle_executor(tmp_path_factory) -> LocalExecutor:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_case_gets_its_expected_verdict(case, request, bundle_executor):
+    if case.gpu_only and local_pool().slots()[0].gpu is None:
+        pytest.skip("its vector exists only on a GPU (CUDA-graph capture); tests/test_gpu.py and "
+                    "`infersmith gauntlet` on a GPU run it")
     if not case.ci and not request.config.getoption("--gauntlet-all"):
         pytest.skip("CI runs the op-dependent vectors of this op; "
                     "`pytest --gauntlet-all` or `infersmith gauntlet` runs every case")
@@ -118,3 +121,19 @@ def test_cases_side_by_side_from_the_command(capsys):
     table_order = [line.split("`")[1] for line in out.splitlines() if line.startswith("| red team")]
     assert table_order == ["rmsnorm/stale_buffer", "rmsnorm/mutates_input", "rmsnorm/writes_harness"]
     assert sorted(p.name for p in checkout.iterdir()) == before
+
+
+def test_gpu_only_cases_are_listed_as_not_run_on_a_cpu_slot(capsys):
+    """A vector that only a GPU has (a CUDA graph being captured) is not run on a CPU slot: the
+    command says so, and asking for such cases alone is a usage error."""
+    from flows.cli import main
+
+    if local_pool().slots()[0].gpu is not None:
+        pytest.skip("this machine's slot has a GPU: the case runs there")
+    assert [c.name for c in CASES if c.gpu_only] == ["rmsnorm/skips_work_captured"]
+    assert main(["gauntlet", "--case", "skips_work_captured"]) == 2
+    assert "every chosen case needs a GPU" in capsys.readouterr().err
+    assert main(["gauntlet", "--op", "rmsnorm", "--case", "skips_work_captured", "--case", "stale_buffer"]) == 0
+    out, err = capsys.readouterr()
+    assert "not run on local:cpu, which has no GPU: rmsnorm/skips_work_captured" in err
+    assert "`rmsnorm/stale_buffer`" in out and "skips_work_captured" not in out

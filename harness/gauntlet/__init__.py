@@ -28,6 +28,7 @@ class Case:
     note: str = ""
     ci: bool = True  # false: only `infersmith gauntlet` (and pytest --gauntlet-all) runs it
     alone: bool = False  # it writes where other stages look: never run beside another case
+    gpu_only: bool = False  # its vector exists only on a GPU (CUDA-graph capture): not run on a CPU slot
 
     def __post_init__(self) -> None:
         assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"
