@@ -26,6 +26,7 @@ class Judge:
         v.device = devices.describe(self.device)
         self.judged, self.worst, self.done = 0, 0.0, False
         self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
+        self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
@@ -77,6 +78,7 @@ class Judge:
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
                                              "compile_us", "method")}
             self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops))
+            self.graph_outputs[header["label"]] = int(header.get("graph_outputs", 0))
         else:
             self.v.gate("protocol", False, f"unexpected frame {kind!r} in the {self.job.stage} stage")
 
@@ -107,7 +109,7 @@ class Judge:
             return
         result = judge(self.op, outs, args, self.job.rules.rtol)
         self.judged += 1
-        self.graph_judged += parts[0] == "bench" and parts[2] == "graph"
+        self.graph_judged += parts[0] == "bench" and parts[2].startswith("graph")
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
         if result.ok:
@@ -116,7 +118,7 @@ class Judge:
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
-        elif parts[0] == "bench" and parts[2] == "graph":
+        elif parts[0] == "bench" and parts[2].startswith("graph"):
             detail += (" — what the CUDA graph that was timed computed: the candidate does less (or other work) "
                        "while captured than when called")
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
@@ -147,8 +149,7 @@ class Judge:
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
             probes = sum(2 * len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"])
-            graphed = {t.label for t in v.timings if t.method.startswith("graph")}
-            graph_outputs = sum(len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"] if s["shape"] in graphed)
+            graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
                                           f"{self.graph_judged} of {graph_outputs} timed-graph outputs reported")

@@ -97,7 +97,8 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         try:
             cand = timing.median_us(fn, arg_sets, method)
             cand_2 = timing.median_us(fn, arg_sets, method)
-            wall_us = timing.wall_per_call_us(fn, arg_sets) if cand.how == "events" else None
+            events = "events" in (cand.how, cand_2.how)
+            wall_us = timing.wall_per_call_us(fn, arg_sets) if events else None
         except Exception as e:
             send("gate", name=failure_gate(e, "runtime"), passed=False,
                  detail=f"{shape.label} while timing ({asked}): {describe_exception(e)}")
@@ -111,17 +112,18 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
             return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
              eager_us=eager.us, compile_us=comp.us if comp else None,
-             method=method_label(cand, eager, comp))
-        for j, outs in cand.outputs.items():  # what the timed graph computed, judged like any output
-            send("outputs", list(outs), item=f"bench/{k}/graph/{j}")
+             method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
+        for run, timed in (("graph", cand), ("graph-repeat", cand_2)):  # what each timed graph computed
+            for j, outs in timed.outputs.items():
+                send("outputs", list(outs), item=f"bench/{k}/{run}/{j}")
         if not _probe(op, fn, arg_sets, shape, item, k, dtype, dev, send):
             return
 
 
-def method_label(cand: timing.Timed, eager: timing.Timed, comp: timing.Timed | None) -> str:
+def method_label(cand: timing.Timed, repeat: timing.Timed, eager: timing.Timed, comp: timing.Timed | None) -> str:
     """How each was timed: one word when all agree, else e.g. "graph; eager: events (not
     capturable: …)" — a system that could not be captured in a CUDA graph was timed with events."""
-    others = [("eager", eager), *([("compile", comp)] if comp else [])]
+    others = [("repeat", repeat), ("eager", eager), *([("compile", comp)] if comp else [])]
     label = cand.how + (f" (not capturable: {cand.fallback})" if cand.fallback else "")
     for name, t in others:
         if t.how != cand.how:
@@ -134,7 +136,7 @@ def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> b
     does not declare persistent (`Op.persistent`: weights, constant tables) was refilled in place
     with new values (same storage, pointers and shapes). A cache derived from a persistent
     argument is an honest optimization and survives; one keyed on anything else goes stale."""
-    probed = sorted({0, len(arg_sets) - 1})  # as the timed graph's outputs (timing._graph_median_us)
+    probed = sorted({0, len(arg_sets) - 1})
     for phase in ("timed", "refill"):
         if phase == "refill":
             for args, seed in zip(arg_sets, item["refill"]):

@@ -43,19 +43,30 @@ class Timed:
     # last replay left it}, for the first and the last input set
 
 
+# Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
+# stream) makes later captures unreliable, so every later graph timing here uses events.
+_graphs_off = ""
+
+
 def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method) -> Timed:
     """The median time per call. A function that cannot be captured in a CUDA graph (host syncs,
-    host-to-device copies, graphs of its own) is timed with events instead — honest code is not
-    rejected for that, and launch gaps then count against it — and `fallback` says why."""
+    graphs of its own) is timed with events instead — honest code is not rejected for that, and
+    launch gaps then count against it — and `fallback` says why; so is every later graph timing
+    of the process, whoever it times."""
+    global _graphs_off
     if method.device != "cuda":
         return Timed(_cpu_median_us(fn, arg_sets, method), "wall")
     if not method.graph:
         return Timed(_events_median_us(fn, arg_sets, method), "events")
-    try:
-        us, outputs = _graph_median_us(fn, arg_sets, method)
-        return Timed(us, "graph", outputs=outputs)
-    except Exception as e:  # not capturable; if it fails outside a graph too, that error goes on
-        why = f"{type(e).__name__}: {e}".split("\n")[0][:200]
+    if _graphs_off:
+        why = f"no graphs in this process after a failed capture ({_graphs_off})"
+    else:
+        try:
+            us, outputs = _graph_median_us(fn, arg_sets, method)
+            return Timed(us, "graph", outputs=outputs)
+        except Exception as e:  # not capturable; if it fails outside a graph too, that error goes on
+            root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
+            why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     torch.cuda.synchronize()
     return Timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
 
@@ -119,10 +130,10 @@ def _events_median_us(fn, arg_sets, method: Method) -> float:
 
 def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict]:
     """Capture one call per input set in a graph; the time per call is a replay over the sets.
-    Also returns (copies of) what the first and the last captured call returned after the last
-    replay: the outputs
-    of the work that was timed, for the judge — a function that does less while captured than
-    when called shows it there."""
+    Also returns copies of what the first and the last captured call returned, as the last
+    replay left them (NaN before it: an output the graph never writes reads as NaN): the work
+    that was timed, for the judge — a function that does less while captured shows it there.
+    Where a later call returned the first one's buffer, only the last set's are kept."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm on a side stream, as capture requires
@@ -130,9 +141,21 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict]:
             fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        returned = [fn(*args) for args in arg_sets]
+    graph, capture, before = torch.cuda.CUDAGraph(), torch.cuda.Stream(), torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, stream=capture):
+            returned = [fn(*args) for args in arg_sets]
+    except BaseException:
+        _end_failed_capture(graph, capture, before)
+        raise
+    every = [_tensors(r) for r in returned]
+    kept = {j: every[j] for j in sorted({0, len(every) - 1})}
+    if len(kept) == 2 and _share_storage(every[0], [t for outs in every[1:] for t in outs]):
+        del kept[0]  # a later call's values are in set 0's buffer
+    for outs in kept.values():
+        for t in outs:
+            if t.is_floating_point():
+                t.fill_(float("nan"))
     est = _estimate_ms(graph.replay)
     for _ in range(max(1, int(method.warmup_ms / est))):
         graph.replay()
@@ -146,11 +169,32 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict]:
         e.record()
     torch.cuda.synchronize()
     per_replay_ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    outputs = {j: _copies(returned[j]) for j in sorted({0, len(returned) - 1})}
-    del graph, returned
+    outputs = {j: tuple(t.clone() for t in outs) for j, outs in kept.items()}
+    del graph, returned, every, kept
     return per_replay_ms * 1e3 / len(arg_sets), outputs
 
 
-def _copies(returned):
+def _end_failed_capture(graph, capture, before) -> None:
+    """After an exception inside capture: the caller's stream back, and the capture ended if
+    torch's context manager could not end it (it raised before doing so)."""
+    torch.cuda.set_stream(before)
+    with torch.cuda.stream(capture):
+        if torch.cuda.is_current_stream_capturing():
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated; ending it is all that was wanted
+
+
+def _tensors(returned) -> tuple:
+    """The returned tensors, exactly torch.Tensor (a subclass could compute when cloned)."""
     items = returned if isinstance(returned, (tuple, list)) else (returned,)
-    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in items)
+    if not all(type(t) is torch.Tensor for t in items):
+        raise TypeError("while captured, the function returned "
+                        f"{', '.join(type(t).__name__ for t in items)}, not plain torch.Tensor")
+    return tuple(items)
+
+
+def _share_storage(a: tuple, b: tuple) -> bool:
+    ptrs = {t.untyped_storage().data_ptr() for t in a}
+    return any(t.untyped_storage().data_ptr() in ptrs for t in b)
