@@ -44,3 +44,22 @@ def test_planted_candidates_are_rejected_on_the_gpu(name, status, gate):
 def test_honest_torch_candidate_passes_on_the_gpu():
     verdict, _ = evaluate(free("honest_torch"), TARGET)
     assert verdict.status == "pass" and verdict.gpu_timing, verdict.to_json()
+
+
+def test_an_uncapturable_function_is_timed_with_events_and_graphs_stay_off_after():
+    """CUDA-graph timing: what it computed comes back for the judge; a host sync during capture
+    falls back to events with the reason, and later graph timings of the process use events."""
+    from harness import timing
+
+    sets = [(torch.randn(4096, device="cuda"),) for _ in range(4)]
+    method = timing.Method("cuda", warmup_ms=5, rep_ms=20, graph=True)
+    try:
+        doubled = timing.median_us(lambda t: t * 2, sets, method)
+        assert doubled.how == "graph" and set(doubled.outputs) == {0, 3}
+        assert torch.equal(doubled.outputs[3][0], sets[3][0] * 2)
+        syncing = timing.median_us(lambda t: t * float(t.sum().item()), sets, method)
+        assert syncing.how == "events" and syncing.fallback and syncing.us > 0
+        after = timing.median_us(lambda t: t * 2, sets, method)
+        assert after.how == "events" and "failed capture" in after.fallback
+    finally:
+        timing._graphs_off = ""
