@@ -73,12 +73,11 @@ def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | S
     executor = executor or executor_for(slot)
 
     def run_stage(stage: str, job, slot: Slot, timeout_s: float):
-        if case.memory_mb:  # the runaway cases prove the limit with a smaller one
-            job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb))
-        # No gate reads the torch.compile baseline, and compiling it is most of a bench stage.
-        job = replace(job, rules=replace(job.rules, compile_baseline=False))
-        if share > 1:
-            job = replace(job, rules=replace(job.rules, gpu_memory_fraction=job.rules.gpu_memory_fraction / share))
+        # The runaway cases prove the memory limit with a smaller one; no gate reads the
+        # torch.compile baseline, and compiling it is most of a bench stage.
+        job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb or job.rules.memory_mb,
+                                         compile_baseline=False,
+                                         gpu_memory_fraction=job.rules.gpu_memory_fraction / share))
         with bench_lock if bench_lock is not None and stage == "bench" else nullcontext():
             return executor.run(job, slot, timeout_s)
 

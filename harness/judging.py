@@ -100,16 +100,17 @@ class Judge:
                     fresh = self._args(spec["shape"], spec["refill"][j])
                     args = tuple(a if self.op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
-                gate = "caching" if phase == "refill" else "timed_outputs"  # timed: events; graph: replayed
+                gate = "caching" if phase == "refill" else "timed_outputs"  # timed, graph, graph-repeat
                 where = f"{spec['shape']} ({phase} input set {j})"
             else:
                 raise ValueError(item)
         except (ValueError, IndexError, KeyError):
             self.v.gate("protocol", False, f"outputs for {item!r}, which the plan never asked for")
             return
+        graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
         result = judge(self.op, outs, args, self.job.rules.rtol)
         self.judged += 1
-        self.graph_judged += parts[0] == "bench" and parts[2].startswith("graph")
+        self.graph_judged += graph
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
         if result.ok:
@@ -118,7 +119,7 @@ class Judge:
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
-        elif parts[0] == "bench" and parts[2].startswith("graph"):
+        elif graph:
             detail += (" — what the CUDA graph that was timed computed: the candidate does less (or other work) "
                        "while captured than when called")
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)

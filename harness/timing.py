@@ -39,8 +39,9 @@ class Timed:
     us: float  # median per call
     how: str  # "graph", "events" or "wall"
     fallback: str = ""  # a graph was asked for and could not be captured: why
-    outputs: dict = field(default_factory=dict)  # graph: {set: what its captured call returned, as the
-    # last replay left it}, for the first and the last input set
+    # graph: {input set: what its captured call returned, as the last replay left it}, for the
+    # first and the last set
+    outputs: dict = field(default_factory=dict)
 
 
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
