@@ -8,7 +8,7 @@ if [ "$(cat /tmp/site/.infersmith-wheels 2>/dev/null)" != "$stamp" ]; then
         > "$out/pip.log" 2>&1 || { tail -5 "$out/pip.log"; exit 1; }
     echo "$stamp" > /tmp/site/.infersmith-wheels
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PREFECT_HOME=/tmp/prefect-home
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 PREFECT_HOME=/tmp/prefect-home
 export INFERSMITH_HOME=${INFERSMITH_HOME:-/tmp/infersmith-home} PREFECT_SERVER_ANALYTICS_ENABLED=false
 # RESTORE: a home.tgz from an earlier call, so that runs accumulate in one tracking store.
 if [ -n "${RESTORE:-}" ] && [ -f "$RESTORE" ]; then tar xzf "$RESTORE" -C "$(dirname "$INFERSMITH_HOME")"; fi
