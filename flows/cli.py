@@ -388,7 +388,8 @@ def cmd_optimize_engine(args) -> int:
     from flows.optimize_engine import optimize_engine
 
     try:
-        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include, _pool(args.pool))
+        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include, _pool(args.pool),
+                                 proposer=args.proposer)
     except _serve_errors() as e:
         print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
         return 1
@@ -488,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     oe = sub.add_parser("optimize-engine", help="search engine configurations end to end against the baseline")
     oe.add_argument("--budget", type=int, default=8, help="configurations to evaluate (default 8)")
+    oe.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
     oe.add_argument("--seed", type=int, default=0)
     oe.add_argument("--kernels-per-op", type=int, default=2,
                     help="best GPU-timed leaderboard kernels offered per op besides eager (default 2)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from flows.optimize_op import ProposerName
 from flows.serve_pipeline import Baseline, EngineOutcome, evaluate_engine, one_line, reference_task
 from flows.target import Target
 from gpu_pool.leases import ensure_limits
@@ -17,7 +18,7 @@ from gpu_pool.pool import Pool, local_pool
 from harness.serve.aiperf import METRICS
 from harness.serve.job import EngineCandidate
 from harness.verdict import PASS
-from proposers.engine import propose_engines
+from proposers.engine import EngineProposer
 from tracking.history import engine_trials, kernel_choices
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
@@ -68,28 +69,30 @@ class Session:
 
 @flow(name="optimize-engine", log_prints=True)
 def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, kernels_per_op: int = 2,
-                    include: list[dict] | None = None, pool: Pool | None = None) -> dict:
+                    include: list[dict] | None = None, pool: Pool | None = None,
+                    proposer: ProposerName = "tpe") -> dict:
     """Engine configurations for one model directory, one at a time through the serve stage, each
     a child run of `infersmith-engine`. `include`: configurations (EngineCandidate fields) to try
-    first; then random ones over the op leaderboards' kernels and the engine's knobs."""
+    first; then the proposer's over the op leaderboards' kernels and the engine's knobs."""
     s = Session("engine-optimization", f"optimize engine {Path(model_dir).name}", Path(model_dir), target, pool,
-                {"seed": seed, "kernels_per_op": kernels_per_op, "include": include or []})
+                {"proposer": proposer, "seed": seed, "kernels_per_op": kernels_per_op, "include": include or []})
     queue = [EngineCandidate.from_dict({"origin": "include", **d}) for d in include or []]
     done, passed, best, started = 0, 0, None, time.monotonic()
     try:
         s.start()
         options = kernel_choices(s.tracker, target.model, kernels_per_op, s.out / "kernels")
-        tried = engine_trials(s.tracker, s.scope)
-        on_gpu = any(slot.gpu is not None for slot in s.slots)
+        search = EngineProposer(proposer, options, any(slot.gpu is not None for slot in s.slots), seed)
         print(f"optimizing the engine on {model_dir} for {s.scope.target_key} against {target.serving.baseline} "
-              f"on {', '.join(slot.label for slot in s.slots)}; tracking run {s.parent}")
+              f"with {proposer} on {', '.join(slot.label for slot in s.slots)}; tracking run {s.parent}")
         while done < target.budget.candidates and time.monotonic() - started < target.budget.wall_clock_s:
-            fresh = [c for c in queue if c.id not in tried][:1] or propose_engines(options, tried, 1, seed, on_gpu)
+            # Read again each time: the scores of this flow's own runs and other flows' pending ones.
+            history = engine_trials(s.tracker, s.scope)
+            tried = {t.id for t in history}
+            fresh = [c for c in queue if c.id not in tried][:1] or search.propose(history, 1)
             if not fresh:
                 break
             cand = fresh[0]
             queue = [c for c in queue if c.id != cand.id]
-            tried.add(cand.id)
             outcome = s.evaluate(cand)
             done += 1
             score = outcome.metrics.get("score") if outcome.verdict.status == PASS else None

@@ -1,10 +1,24 @@
-"""Engine configurations to try: per-op kernel choices (from the op leaderboards) and the
-engine's knobs, drawn at random, never one already tried (history is read from tracking)."""
+"""Engine configurations to try: per op a kernel choice (from the op leaderboards) and the
+engine's knobs, as one categorical space searched by an op proposer (`random` or `tpe`).
+
+The same contract as an op proposer (proposers/base.py): `EngineProposer(...)` once per flow,
+then `propose(history, n)` with every configuration tracking holds for this target, from any
+flow, finished or pending; no state between calls. It returns at most n configurations, none
+already in the history and no two alike; fewer when the space has nothing new left.
+"""
 from __future__ import annotations
 
-import random
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
 
+from engine_templates.ops.base import Template
+from harness.job import Candidate
 from harness.serve.job import EngineCandidate
+from proposers.base import PENDING, Proposer, Trial
+from proposers.random import RandomProposer
+from proposers.tpe import TPEProposer
 
 KNOBS = {
     "block_size": [16, 32],
@@ -12,22 +26,116 @@ KNOBS = {
     "max_num_batched_tokens": [512, 1024, 2048, 4096],
     "cuda_graph_max_batch": [0, 8, 32, 64],
 }
+EAGER = "eager"
 
 
-def propose_engines(kernel_options: dict[str, list[dict]], tried: set[str], n: int, seed: int,
-                    on_gpu: bool) -> list[EngineCandidate]:
-    """Up to n new configurations; fewer when the space has nothing new left."""
-    rng = random.Random(f"{seed}/{len(tried)}")
-    knobs = KNOBS | ({} if on_gpu else {"cuda_graph_max_batch": [0]})  # no CUDA graphs without a GPU
-    out: list[EngineCandidate] = []
-    seen = set(tried)
-    for _ in range(200 * n):
-        kernels = {op: rng.choice(options) for op, options in kernel_options.items() if len(options) > 1}
-        cand = EngineCandidate(kernels={op: c for op, c in kernels.items() if c != {"impl": "eager"}},
-                               origin="random", **{k: rng.choice(v) for k, v in knobs.items()})
-        if cand.id not in seen:
-            seen.add(cand.id)
-            out.append(cand)
-            if len(out) == n:
+@dataclass(frozen=True)
+class EngineTrial:
+    candidate: EngineCandidate
+    id: str  # as recorded: a free kernel's file is gone with its flow, so the id cannot be recomputed
+    state: str  # "pending", "pass", "fail" or "crash"
+    # The geometric mean of the metrics' advantage over the baseline: set for a passed
+    # configuration and for a near miss (accurate, served, failed only the all-metrics gate).
+    score: float | None = None
+
+
+class EngineTPE(TPEProposer):
+    def startup_trials(self) -> int:
+        # A configuration costs minutes of serving and the default budget is 8: TPE models the
+        # history from the fifth trial on rather than drawing nearly all of it at random.
+        return 4
+
+
+SEARCHES: dict[str, type[Proposer]] = {"random": RandomProposer, "tpe": EngineTPE}
+
+
+def choice_key(choice: dict) -> str:
+    """A kernel choice by what it runs, the same in every flow. A free kernel goes by its file's
+    name: kernel_choices names it after its leaderboard candidate's content hash, while the
+    folder is each flow's scratch."""
+    if choice.get("impl") == EAGER:
+        return EAGER
+    if choice.get("impl") == "template":
+        return f"{choice['template']}{json.dumps(choice['point'], sort_keys=True)}"
+    if choice.get("impl") == "free":
+        return f"free:{Path(choice['path']).name}"
+    return json.dumps(choice, sort_keys=True)
+
+
+class EngineSpace:
+    """Dimensions `kernel.<op>` (each op with a choice besides eager; values: choice keys) and
+    `engine.<knob>`. The op proposers search a Template's space, so the space is given to them
+    as one; it is never built."""
+
+    def __init__(self, kernel_options: dict[str, list[dict]], on_gpu: bool):
+        self.choices = {f"kernel.{op}": {choice_key(c): c for c in options}
+                        for op, options in sorted(kernel_options.items()) if len(options) > 1}
+        knobs = KNOBS | ({} if on_gpu else {"cuda_graph_max_batch": [0]})  # no CUDA graphs without a GPU
+        space: dict[str, list[Any]] = {k: list(v) for k, v in self.choices.items()}
+        space |= {f"engine.{k}": list(v) for k, v in knobs.items()}
+        # The default point, proposed first into an empty history: every op eager, the engine's
+        # own knob values where offered.
+        engine = EngineCandidate()
+        default = {k: v[0] for k, v in space.items()}
+        default |= {k: EAGER for k, v in self.choices.items() if EAGER in v}
+        default |= {f"engine.{k}": getattr(engine, k) for k, v in knobs.items() if getattr(engine, k) in v}
+        self.template = Template(name="engine", module=__name__, space=space, default=default)
+
+    def point(self, cand: EngineCandidate) -> dict[str, Any]:
+        """Its point. A kernel or knob value not offered now (an older leaderboard, an included
+        kernels file) leaves it outside the space, where it only counts as tried."""
+        kernels = {f"kernel.{op}": choice_key(c) for op, c in cand.kernels.items() if choice_key(c) != EAGER}
+        return ({k: EAGER for k in self.choices} | kernels
+                | {f"engine.{k}": getattr(cand, k) for k in KNOBS})
+
+    def candidate(self, point: dict[str, Any], origin: str) -> EngineCandidate:
+        kernels = {k.removeprefix("kernel."): self.choices[k][v] for k, v in point.items()
+                   if k.startswith("kernel.") and v != EAGER}
+        knobs = {k.removeprefix("engine."): v for k, v in point.items() if k.startswith("engine.")}
+        return EngineCandidate(kernels=kernels, origin=origin, **knobs)
+
+
+class EngineProposer:
+    def __init__(self, name: str, kernel_options: dict[str, list[dict]], on_gpu: bool, seed: int = 0):
+        if name not in SEARCHES:
+            raise KeyError(f"unknown proposer {name!r}; known: {', '.join(sorted(SEARCHES))}")
+        self.name = name
+        self.space = EngineSpace(kernel_options, on_gpu)
+        self.search = SEARCHES[name]("engine", self.space.template, seed)
+
+    def propose(self, history: Sequence[EngineTrial], n: int) -> list[EngineCandidate]:
+        """Up to n new configurations given every configuration tried so far."""
+        tried = {t.id for t in history}
+        trials = self.trials(history)
+        out: list[EngineCandidate] = []
+        while len(out) < n:
+            got = self.search.propose(trials, n - len(out))
+            if not got:
                 break
-    return out
+            for c in got:
+                cand = self.space.candidate(c.point, self.name)
+                # A new point can still be a tried configuration spelt another way (an included
+                # kernels file naming a leaderboard kernel by its own path): then it joins the
+                # history as pending and the search is asked again.
+                if cand.id not in tried:
+                    out.append(cand)
+                trials.append(Trial(c, PENDING))
+        return out
+
+    def trials(self, history: Sequence[EngineTrial]) -> list[Trial]:
+        """The history as the op proposers read it. Crashes and failures go to TPE's floor,
+        below every score. A near miss counts with its score, capped at the lowest passing
+        score: it was accurate and served every pattern, so its geometric mean tells TPE how
+        close its knobs came (as the floor it would look like a crash, and TPE would learn
+        nothing while nothing passes yet, as on a CPU pool); but the flow wants a configuration
+        that passes, so one that trades a short metric for others never ranks above one that
+        does not."""
+        passed = [t.score for t in history if t.state == "pass" and t.score is not None]
+        out = []
+        for t in history:
+            state, score = t.state, t.score
+            if state == "fail" and score is not None:
+                state, score = "pass", min([score, *passed])
+            point = self.space.point(t.candidate)
+            out.append(Trial(Candidate("engine", "template", "engine", point, origin=t.candidate.origin), state, score))
+        return out

@@ -54,13 +54,16 @@ class TPEProposer(Proposer):
         picked += uniform.unseen_points(taken, n - len(picked), uniform.rng(history))
         return [self.candidate(p) for p in picked]
 
+    def startup_trials(self) -> int:
+        """Trials TPE draws at random before it models the history."""
+        return min(8, max(2, self.template.size() // 10))
+
     def study(self, known: list[Trial], picked: list[dict[str, Any]],
               distributions: dict[str, CategoricalDistribution], n_history: int) -> optuna.Study:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
             sampler = TPESampler(seed=(self.seed * 1_000_003 + n_history) % 2**32, multivariate=True,
-                                 constant_liar=True,
-                                 n_startup_trials=min(8, max(2, self.template.size() // 10)))
+                                 constant_liar=True, n_startup_trials=self.startup_trials())
         study = optuna.create_study(direction="maximize", sampler=sampler)
         # Failures go in as COMPLETE with a value below every real score, not as FAIL: TPE
         # ignores FAIL trials entirely, so it would keep sampling where kernels break, and

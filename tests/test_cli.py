@@ -36,6 +36,7 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--decode-batches", "1,x"], "comma-separated integers"),
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--template", "nope"], "no template 'nope'"),
     (["optimize", "--op", "rmsnorm", "--proposer", "genius"], "invalid choice"),
+    (["optimize-engine", "--model-dir", ".", "--proposer", "genius"], "invalid choice"),
     (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "unknown model preset"),
     (["optimize", "--op", "fused_moe", "--model", "qwen3-8b"], "needs a mixture-of-experts preset"),
     (["gauntlet", "--op", "rmsnorm", "--jobs", "0"], "--jobs must be at least 1"),

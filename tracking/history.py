@@ -8,7 +8,9 @@ from pathlib import Path
 from mlflow.entities import Run, ViewType
 
 from harness.job import Candidate
-from proposers.base import Trial
+from harness.serve.job import EngineCandidate
+from proposers.base import PENDING, Trial
+from proposers.engine import EngineTrial
 from tracking.schema import T, RunScope, Tracker
 
 
@@ -77,10 +79,18 @@ def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int 
     return out
 
 
-def engine_trials(tracker: Tracker, scope: RunScope) -> set[str]:
-    """The ids of every engine configuration tried for this target and pool class."""
-    return {run.data.tags.get(f"{T}candidate_id", "") for run in
-            search(tracker, scope.op, target=scope.target_key, template="engine", pool_class=scope.gpu_class)}
+def engine_trials(tracker: Tracker, scope: RunScope) -> list[EngineTrial]:
+    """Every engine configuration tried for this target and pool class, from any flow, finished
+    or pending, with its score where it has one (passed, or failed only the all-metrics gate)."""
+    out = []
+    for run in search(tracker, scope.op, target=scope.target_key, template="engine", pool_class=scope.gpu_class):
+        tags = run.data.tags
+        state = tags.get(f"{T}status", PENDING)
+        scored = state == "pass" or (state == "fail" and tags.get(f"{T}failing_gate") == "all_metrics")
+        out.append(EngineTrial(EngineCandidate.from_dict(json.loads(tags[f"{T}candidate"])),
+                               tags.get(f"{T}candidate_id", ""), state,
+                               run.data.metrics.get("score") if scored else None))
+    return out
 
 
 def kernel_choices(tracker: Tracker, model: str, per_op: int, dest: Path) -> dict[str, list[dict]]:
