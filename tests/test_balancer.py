@@ -117,7 +117,8 @@ def test_fewest_in_flight_round_robin_among_ties_and_streams_passed_on_as_they_a
             assert sum(g > GAP_S * 0.7 for g in gaps) == 3, arrivals
 
             async with s.get(url + "/health") as r:
-                assert [b["served"] for b in (await r.json())["backends"]] == [6, 7]  # the stream went to 0, next in turn
+                # the stream went to 0, next in turn
+                assert [b["served"] for b in (await r.json())["backends"]] == [6, 7]
 
     asyncio.run(scenario())
 
