@@ -9,6 +9,7 @@ import json
 import signal
 import sys
 import time
+import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -147,8 +148,6 @@ def test_replicas_behind_the_balancer_process_and_one_killed(tmp_path):
     with Replicas("candidate", argv, [env, env], tmp_path, sys.executable) as group:
         group.start(30)
         body = json.dumps({"prompt": [1], "max_tokens": 2}).encode()
-        import urllib.request
-
         for _ in range(2):
             req = urllib.request.Request(group.url + "/v1/completions", body, {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=10) as r:
