@@ -344,6 +344,15 @@ def _kernels(path: str | None) -> dict:
     return {op: {k: v for k, v in vars(spec).items() if v} for op, spec in specs.items()}
 
 
+def _serve_pool(args, target):
+    """The pool, refused at once when no host can run the target's replicas."""
+    pool = _pool(args.pool)
+    problem = pool.group_problem(target.gpu_class, target.serving.replicas)
+    if problem:
+        raise UsageError(f"serving.replicas: {problem}")
+    return pool
+
+
 def _serve_errors():
     from harness.serve.aiperf import AIPerfError
     from harness.serve.server import ServerError
@@ -362,7 +371,7 @@ def cmd_serve_bench(args) -> int:
     from flows.optimize_engine import serve_bench
 
     try:
-        result = serve_bench(str(model_dir), target, kernels, args.candidate, _pool(args.pool))
+        result = serve_bench(str(model_dir), target, kernels, args.candidate, _serve_pool(args, target))
     except _serve_errors() as e:
         print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
         return 1
@@ -388,8 +397,8 @@ def cmd_optimize_engine(args) -> int:
     from flows.optimize_engine import optimize_engine
 
     try:
-        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include, _pool(args.pool),
-                                 proposer=args.proposer)
+        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include,
+                                 _serve_pool(args, target), proposer=args.proposer)
     except _serve_errors() as e:
         print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
         return 1

@@ -38,6 +38,9 @@ class Session:
         self.slots = pool.slots(target.gpu_class)
         if not self.slots:
             raise ValueError(f"the pool has no host of GPU class {target.gpu_class!r}")
+        too_small = pool.group_problem(target.gpu_class, target.serving.replicas)
+        if too_small:
+            raise ValueError(too_small)
         classes = {s.host.gpu_class for s in self.slots}
         self.scope = RunScope(OP, target.model, target.serve_key(), classes.pop() if len(classes) == 1 else "mixed")
         ensure_limits(pool)

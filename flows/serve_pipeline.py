@@ -1,5 +1,5 @@
-"""One server through the serve stage on a leased slot, logged as one tracking child run;
-the reference's answers and the baseline's metrics it is judged against."""
+"""One server (its replicas) through the serve stage on leased slots, logged as one tracking
+child run; the reference's answers and the baseline's metrics it is judged against."""
 from __future__ import annotations
 
 import random
@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.target import Target
-from gpu_pool.dispatch import run_leased
+from gpu_pool.dispatch import run_leased_group
 from gpu_pool.local import WORKER_ROOT
 from gpu_pool.pool import Slot
 from harness.serve.aiperf import PatternRun
@@ -26,15 +26,20 @@ from tracking.ledger import Charge
 from tracking.schema import Tracker
 
 
-def job_for(target: Target, model_dir: Path, slot: Slot) -> ServeJob:
+def job_for(target: Target, model_dir: Path, group: list[Slot]) -> ServeJob:
+    """The stage's job on a leased group (leases.lease_group): each replica on its own GPU of the
+    group, or all of them on the CPU of a CPU-only host."""
+    slot = group[0]
     if not slot.host.is_local:
         raise ValueError(f"the serve stage runs on this machine's slots only for now; {slot.label} is a remote host")
     s = target.serving
-    env = {"PYTHONPATH": str(WORKER_ROOT), "CUDA_VISIBLE_DEVICES": "" if slot.gpu is None else str(slot.gpu)}
+    env = {"PYTHONPATH": str(WORKER_ROOT)}
     if slot.gpu is None:
         env["TRITON_INTERPRET"] = "1"  # a template kernel in the engine runs in Triton's interpreter
-    return ServeJob(model_dir=Path(model_dir).resolve(), dtype=target.dtype, device="cpu" if slot.gpu is None else "cuda",
-                    env=env, max_model_len=s.max_model_len, patterns=tuple(p.to_job() for p in s.traffic),
+    devices = ("",) * s.replicas if slot.gpu is None else tuple(str(g.gpu) for g in group)
+    return ServeJob(model_dir=Path(model_dir).resolve(), dtype=target.dtype,
+                    device="cpu" if slot.gpu is None else "cuda", env=env, devices=devices,
+                    max_model_len=s.max_model_len, patterns=tuple(p.to_job() for p in s.traffic),
                     accuracy=target.accuracy_rules(), margin=s.margin, baseline=s.baseline,
                     start_timeout_s=s.start_timeout_s, pattern_timeout_s=target.budget.stage_timeout_s,
                     python=sys.executable)
@@ -64,7 +69,8 @@ def reference_task(target: Target, model_dir: Path, slots: list[Slot], baseline:
     """The reference server's greedy answers (the held-out prompts are drawn here, from a seed
     no one sees), and the baseline's metrics when the reference is the baseline."""
     rng = random.Random(secrets.randbits(64))
-    reference, runs = run_leased(slots, lambda slot: reference_answers(job_for(target, model_dir, slot),
+    reference, runs = run_leased_group(slots, target.serving.replicas,
+                                       lambda group: reference_answers(job_for(target, model_dir, group),
                                                                        baseline.out, rng))
     baseline.runs = runs
     return reference
@@ -83,25 +89,27 @@ class EngineOutcome:
 def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_dir: Path, slots: list[Slot],
                     tracker: Tracker, reference: Reference, baseline: Baseline, out: Path,
                     command: str | None = None) -> EngineOutcome:
-    """The candidate (an engine configuration, or the server `command` starts) on a leased slot:
-    accuracy, load, then the all-metrics gate against the baseline; recorded whatever happens."""
+    """The candidate (an engine configuration, or the server `command` starts) on leased slots, a
+    GPU per replica: accuracy, load, then the all-metrics gate against the baseline; recorded
+    whatever happens."""
     charge = Charge()
 
-    def attempt(slot: Slot) -> Served:
-        charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
+    def attempt(group: list[Slot]) -> Served:
+        slot = group[0]
+        charge.place(slot.host.name, ",".join(s.label for s in group), slot.host.gpu_class, slot.gpu)
         start, t0 = time.time(), time.monotonic()
         try:
-            job = job_for(target, model_dir, slot)
+            job = job_for(target, model_dir, group)
             served = serve_stage(job, cand, reference, out, command)
             if served.verdict.status == PASS:
                 compare(served, baseline.get(job), target.serving.margin)
             return served
-        finally:
-            charge.add_stage("serve", time.monotonic() - t0, slot.usd_per_second)
-            charge.held.append((slot.label, start, time.time()))
+        finally:  # every GPU of the group was held the whole time
+            charge.add_stage("serve", len(group) * (time.monotonic() - t0), slot.usd_per_second)
+            charge.held.extend((s.label, start, time.time()) for s in group)
 
     try:
-        served = run_leased(slots, attempt)
+        served = run_leased_group(slots, target.serving.replicas, attempt)
     except BaseException as e:  # cancelled, interrupted, or the baseline failed: record it, then propagate
         verdict = Verdict(op="engine", candidate_id=cand.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")

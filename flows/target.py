@@ -128,6 +128,8 @@ class Serving(BaseModel):
                           'command starting an OpenAI-compatible server, with {port}, {model_dir}, {name}')
     max_model_len: PositiveInt = 4096
     start_timeout_s: PositiveFloat = Field(600.0, description="seconds a server may take to answer /v1/models")
+    replicas: PositiveInt = Field(1, description="copies of the candidate server, and of the baseline, each on its "
+                                  "own GPU of one host, behind one load balancer")
 
     @field_validator("traffic")
     @classmethod
@@ -191,7 +193,9 @@ class Target(BaseModel):
         """What makes two end-to-end runs comparable: model, dtype, traffic, baseline, margin."""
         import hashlib
 
-        body = self.serving.model_dump_json(exclude={"start_timeout_s"})
+        # replicas only when set: the keys of runs from before the field existed stay the same
+        unset = {"replicas"} if self.serving.replicas == 1 else set()
+        body = self.serving.model_dump_json(exclude={"start_timeout_s"} | unset)
         return f"{self.model}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
 
     def accuracy_rules(self) -> AccuracyRules:

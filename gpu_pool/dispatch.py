@@ -5,7 +5,7 @@ import logging
 from typing import Callable, TypeVar
 
 from gpu_pool.health import HEALTH, Health, HostFault
-from gpu_pool.leases import lease_any
+from gpu_pool.leases import lease_group
 from gpu_pool.pool import Slot
 
 MAX_ATTEMPTS = 3
@@ -21,6 +21,13 @@ def run_leased(slots: list[Slot], work: Callable[[Slot], T], health: Health = HE
                attempts: int = MAX_ATTEMPTS) -> T:
     """work(slot) while holding slot's lease. Another host is preferred after a fault; the last
     fault is raised when `attempts` are spent or no healthy host is left."""
+    return run_leased_group(slots, 1, lambda group: work(group[0]), health, attempts)
+
+
+def run_leased_group(slots: list[Slot], n: int, work: Callable[[list[Slot]], T], health: Health = HEALTH,
+                     attempts: int = MAX_ATTEMPTS) -> T:
+    """work(group) while holding the leases of n slots of one host (see leases.lease_group), as
+    run_leased does for one."""
     tried: set[str] = set()
     last: HostFault | None = None
 
@@ -36,9 +43,9 @@ def run_leased(slots: list[Slot], work: Callable[[Slot], T], health: Health = HE
         return health.usable(slots)
 
     for attempt in range(1, attempts + 1):
-        with lease_any(choices) as slot:
+        with lease_group(choices, n) as group:
             try:
-                return work(slot)
+                return work(group)
             except HostFault as fault:
                 health.bench(fault)
                 tried.add(fault.host.name)

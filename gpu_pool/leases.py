@@ -85,15 +85,33 @@ def try_lease(slot: Slot) -> Iterator[bool]:
         yield held
 
 
+def group_size(slot: Slot, n: int) -> int:
+    """Slots a job of n servers (one GPU each) holds on slot's host: n, or a CPU-only host's one slot."""
+    return 1 if slot.gpu is None else n
+
+
 @contextmanager
-def lease_any(choices: Callable[[], list[Slot]]) -> Iterator[Slot]:
-    """Hold a free slot of `choices()`, waiting until one frees. Only slots that look free are
-    tried (a refused try is logged as an error by Prefect), and `choices()` is asked again
-    once the lease is held: a host benched meanwhile is let go."""
+def lease_group(choices: Callable[[], list[Slot]], n: int) -> Iterator[list[Slot]]:
+    """Hold n free slots of one host (the one slot of a CPU-only host, whose servers share its
+    CPU), waiting until a host has them. Only slots that look free are tried (a refused try is
+    logged as an error by Prefect). All or none: a group that cannot be completed is let go at
+    once, so two waiting groups never hold each other's GPUs. `choices()` is asked again once
+    the group is held: a host benched meanwhile is let go."""
     while True:
+        hosts: dict[str, list[Slot]] = {}
         for slot in free_slots(choices()):
-            with try_lease(slot) as held:
-                if held and slot in choices():
-                    yield slot
+            hosts.setdefault(slot.host.name, []).append(slot)
+        for free in hosts.values():
+            need = group_size(free[0], n)
+            if len(free) < need:
+                continue
+            with ExitStack() as stack:
+                held: list[Slot] = []
+                for slot in free:  # another flow may take one meanwhile: then the next
+                    if len(held) < need and stack.enter_context(try_lease(slot)):
+                        held.append(slot)
+                if len(held) == need and all(s in choices() for s in held):
+                    yield held
                     return
         time.sleep(WAIT_POLL_S)
+

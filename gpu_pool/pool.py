@@ -72,6 +72,16 @@ class Pool(BaseModel):
             out += [Slot(h, g) for g in h.gpus] if h.gpus else [Slot(h, None)]
         return out
 
+    def group_problem(self, gpu_class: str, n: int) -> str | None:
+        """Why no host of the class can run n servers of one GPU each (a CPU-only host runs them
+        all on its CPU); None when one can, or when the pool has no host of the class at all."""
+        hosts = [h for h in self.hosts if gpu_class in ("any", h.gpu_class)]
+        if n == 1 or not hosts or any(not h.gpus or len(h.gpus) >= n for h in hosts):
+            return None
+        most = max(len(h.gpus) for h in hosts)
+        return (f"{n} replicas need {n} GPUs of one host, and no host of the pool"
+                f"{'' if gpu_class == 'any' else ' of class ' + gpu_class} has more than {most}")
+
 
 @dataclass(frozen=True)
 class Slot:

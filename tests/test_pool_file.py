@@ -10,7 +10,7 @@ import pytest
 
 from flows.optimize_op import optimize_op, scope_for
 from flows.target import Target
-from gpu_pool.leases import ensure_limits, try_lease
+from gpu_pool.leases import ensure_limits, free_slots, lease_group, try_lease
 from gpu_pool.pool import Host, Pool, local_pool
 from gpu_pool.pool_file import PoolFileError, load_pool
 from harness.job import Candidate
@@ -83,6 +83,31 @@ def test_a_gpu_lease_is_held_by_one_holder_at_a_time(prefect_server):
     with try_lease(slot) as again:
         seen.append(again)
     assert first and seen == [False, True]
+
+
+def test_a_group_lease_holds_gpus_of_one_host_and_waits_holding_none(prefect_server):
+    pool = Pool(hosts=[Host(name="group-a", gpus=[0, 1], gpu_class="h200"),
+                       Host(name="group-b", gpus=[0], gpu_class="h200")])
+    ensure_limits(pool)
+    a0, a1, b0 = pool.slots()
+    assert pool.group_problem("any", 2) is None
+    assert pool.group_problem("h200", 3) == "3 replicas need 3 GPUs of one host, and no host of the pool of " \
+                                           "class h200 has more than 2"
+    with lease_group(pool.slots, 2) as group:
+        assert group == [a0, a1] and free_slots(pool.slots()) == [b0]
+    got = []
+
+    def wait_for_two():
+        with lease_group(pool.slots, 2) as group:
+            got.append(group)
+
+    with try_lease(a0):  # one GPU of group-a taken: a group of two waits, taking neither of the others
+        t = threading.Thread(target=wait_for_two)
+        t.start()
+        t.join(2.0)
+        assert got == [] and free_slots(pool.slots()) == [a1, b0]
+    t.join(30)
+    assert got == [[a0, a1]] and free_slots(pool.slots()) == [a0, a1, b0]
 
 
 def test_a_lease_on_a_limit_that_does_not_exist_is_refused(prefect_server):

@@ -1,13 +1,15 @@
-"""The end-to-end stage on the tiny dense checkpoint, on the CPU: the real engine server and the
-real HF transformers reference server under real AIPerf load; a server streaming a fixed token
-rejected by the accuracy gate; a server dying mid-run is a crash with its log kept, and the flow
-goes on. The gates' rules themselves on hand-made completions and metrics."""
+"""The end-to-end stage on the tiny dense checkpoint, on the CPU: two replicas of the real engine
+server against two of the real HF transformers reference server, each pair behind the load
+balancer, under real AIPerf load; one replica of two streaming a fixed token rejected by the
+accuracy gate; a server dying mid-run is a crash with its log kept, and the flow goes on. The
+gates' rules themselves on hand-made completions and metrics."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -26,13 +28,22 @@ FAKES = Path(__file__).resolve().parent / "serve_fakes"
 SERVING = {"traffic": [{"name": "chat-short", "concurrency": 2, "input_tokens_mean": 24,
                         "output_tokens_mean": 8, "request_count": 6, "warmup_requests": 1}],
            "accuracy": {"held_out": 2, "held_out_tokens": 12, "max_tokens": 6}}
+ENGINE = (f"{sys.executable} -m engine_templates.engine serve --model-dir {{model_dir}} --port {{port}} "
+          f"--served-model-name {{name}} --dtype fp32 --max-model-len 512")
 
 
 @pytest.fixture(scope="module")
 def serving_file(tmp_path_factory):
+    """Two replicas of every server: on the CPU they share its cores, which is enough to show
+    the balancer spreads the load and every replica is judged."""
     path = tmp_path_factory.mktemp("serve") / "serving.json"
-    path.write_text(json.dumps(SERVING))
+    path.write_text(json.dumps(SERVING | {"replicas": 2}))
     return path
+
+
+def served_per_backend(balancer_log: str) -> list[int]:
+    """What the balancer said at its exit: requests each backend served."""
+    return [int(n) for n in re.findall(r"backend \d+ \(\S+\): (\d+) requests", balancer_log)]
 
 
 def bench(serving_file, *extra) -> tuple[int, str]:
@@ -76,14 +87,24 @@ def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server,
     assert json.loads(Path(exported).read_text())["request_count"]["avg"] == 6
     parent = client.get_run(result["parent_run_id"]).data.metrics
     assert parent["baseline/chat-short/output_tps"] == rows["output_tps"]["baseline"]
+    # both sides two replicas behind a balancer that spread AIPerf's 7 requests over both
+    assert "replica 0: " in gates["accuracy"]["detail"] and "replica 1: " in gates["accuracy"]["detail"]
+    for run_id, folder in ((run.info.run_id, "serve"), (result["parent_run_id"], "baseline")):
+        logs = Path(client.download_artifacts(run_id, folder))
+        assert "serving infersmith-e2e" in (logs / "server-1.log").read_text()
+        served = served_per_backend((logs / "balancer.log").read_text())
+        assert len(served) == 2 and min(served) > 0 and sum(served) == 7, (folder, served)
 
 
-def test_fixed_token_stream_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home, serving_file):
-    # A baseline command other than the reference is measured only for a candidate worth comparing.
-    code, out = bench(serving_file, "--candidate", f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}}",
-                      "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home,
+                                                                              serving_file):
+    # Replica 0 the engine, replica 1 the fixed-token server. A baseline command other than the
+    # reference is measured only for a candidate worth comparing.
+    fake = f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}}"
+    either = f"sh -c 'if [ {{replica}} = 1 ]; then exec {fake}; else exec {ENGINE}; fi'"
+    code, out = bench(serving_file, "--candidate", either, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
     assert code == 1
-    assert "accuracy: FAILED" in out and "greedy token 17" in out
+    assert "accuracy: FAILED  replica 1: prompt 0 (shown), token 0: greedy token 17" in out
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
 
 
@@ -94,10 +115,8 @@ def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(pre
     from tracking.store import TrackingConfig
 
     # The engine itself as the baseline (a command): the flow's baseline is any OpenAI-compatible server.
-    engine = (f"{sys.executable} -m engine_templates.engine serve --model-dir {{model_dir}} --port {{port}} "
-              f"--served-model-name {{name}} --dtype fp32 --max-model-len 512")
     target = Target.model_validate({"model": "tiny", "dtype": "fp32", "budget": {"candidates": 2},
-                                    "serving": SERVING | {"baseline": engine}})
+                                    "serving": SERVING | {"baseline": ENGINE}})
     dying = {"kernels": {"silu_mul": {"impl": "free", "path": str(FAKES / "dying_silu_mul.py")}}}
     result = optimize_engine(str(checkpoint("dense")), target, seed=1, kernels_per_op=0, include=[dying])
     assert result["candidates"] == 2
@@ -160,3 +179,17 @@ def test_serve_bench_usage_errors_are_one_line(capsys, argv, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("replicas, message", [
+    (2, "serving.replicas: 2 replicas need 2 GPUs of one host, and no host of the pool has more than 1"),
+    (0, "bad serving settings: replicas: Input should be greater than 0"),
+])
+def test_replicas_no_host_can_run_are_one_line(capsys, tmp_path, replicas, message):
+    (tmp_path / "pool.yaml").write_text("hosts:\n  - {name: one-gpu, gpus: [0], gpu_class: h200}\n")
+    (tmp_path / "serving.json").write_text(json.dumps(SERVING | {"replicas": replicas}))
+    model_dir = str(checkpoint("dense"))
+    capsys.readouterr()  # making the checkpoint prints progress
+    assert main(["serve-bench", "--model-dir", model_dir, "--model", "tiny", "--pool",
+                 str(tmp_path / "pool.yaml"), "--serving", str(tmp_path / "serving.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"infersmith: {message}"

@@ -41,15 +41,20 @@ class ServeJob:
     model_dir: Path
     dtype: str
     device: str  # "cuda" or "cpu"
-    env: dict[str, str]  # for the servers: CUDA_VISIBLE_DEVICES of the leased slot
+    env: dict[str, str]  # for every server and the balancer
+    devices: tuple[str, ...]  # CUDA_VISIBLE_DEVICES of each replica ("" on a CPU): one server per entry
     max_model_len: int
     patterns: tuple[Pattern, ...]
     accuracy: AccuracyRules
     margin: float  # every metric must beat the baseline's by this fraction
-    baseline: str  # "reference", or a shell command with {port}, {model_dir}, {name}
+    baseline: str  # "reference", or a shell command with {port}, {model_dir}, {name}, {replica}
     start_timeout_s: float
     pattern_timeout_s: float
-    python: str  # the interpreter that runs the engine and the reference server
+    python: str  # the interpreter that runs the engine, the reference server and the balancer
+
+    @property
+    def replica_envs(self) -> list[dict[str, str]]:
+        return [{**self.env, "CUDA_VISIBLE_DEVICES": d} for d in self.devices]
 
 
 @dataclass(frozen=True)

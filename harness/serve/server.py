@@ -1,5 +1,5 @@
-"""One OpenAI-compatible server as a child process group: started, waited for, stopped cleanly,
-its output kept in a log file."""
+"""An OpenAI-compatible server as a child process group: started, waited for, stopped cleanly,
+its output kept in a log file; and several replicas of one behind a load balancer."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 POLL_S = 0.5
 
@@ -19,9 +20,19 @@ class ServerError(Exception):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free right now: all are held until the last is chosen."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class ServerProcess:
@@ -32,14 +43,20 @@ class ServerProcess:
 
     def start(self, timeout_s: float) -> ServerProcess:
         """Starts it and waits until GET /v1/models answers 200."""
+        self.launch()
+        return self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                          start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive:
-                raise ServerError(f"{self.label} server exited with code {self.proc.returncode} while starting; "
+                raise ServerError(f"{self.label} exited with code {self.proc.returncode} while starting; "
                                   f"log: {self.log_tail(300)}")
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
@@ -48,7 +65,7 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(POLL_S)
-        raise ServerError(f"{self.label} server did not answer /v1/models within {timeout_s:g} s; "
+        raise ServerError(f"{self.label} did not answer /v1/models within {timeout_s:g} s; "
                           f"log: {self.log_tail(300)}")
 
     @property
@@ -82,6 +99,77 @@ class ServerProcess:
             return ""
 
     def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+BALANCER_START_S = 60.0  # it answers once every replica does, and they already do
+
+
+class Replicas:
+    """Copies of one server, each its own process, port (argv_for(replica, port)) and log, behind
+    a load balancer process (harness/serve/balancer.py) when there are several; `url` is where
+    clients go. One replica is the server alone, logged to server.log; several log to
+    server-<i>.log, the balancer to balancer.log."""
+
+    def __init__(self, label: str, argv_for: Callable[[int, int], list[str]], envs: list[dict[str, str]],
+                 out: Path, python: str):
+        n = len(envs)
+        ports = free_ports(n + (n > 1))
+        if n == 1:
+            self.servers = [ServerProcess(f"{label} server", argv_for(0, ports[0]), out / "server.log", envs[0],
+                                          ports[0])]
+        else:
+            self.servers = [ServerProcess(f"{label} replica {i} (of {n})", argv_for(i, ports[i]),
+                                          out / f"server-{i}.log", envs[i], ports[i]) for i in range(n)]
+        self.balancer = None
+        if n > 1:
+            backends = [arg for s in self.servers for arg in ("--backend", s.url)]
+            self.balancer = ServerProcess(f"{label} load balancer", [python, "-m", "harness.serve.balancer", "--port",
+                                          str(ports[n]), *backends], out / "balancer.log",
+                                          {**envs[0], "CUDA_VISIBLE_DEVICES": ""}, ports[n])
+        self.url = (self.balancer or self.servers[0]).url
+
+    @property
+    def processes(self) -> list[ServerProcess]:
+        return self.servers + ([self.balancer] if self.balancer else [])
+
+    def start(self, timeout_s: float) -> Replicas:
+        """Every replica at once (each loads its model meanwhile), then the balancer; all answer within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        for s in self.servers:
+            s.launch()
+        for s in self.servers:
+            s.wait_ready(max(deadline - time.monotonic(), POLL_S))
+        if self.balancer:
+            self.balancer.start(BALANCER_START_S)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return all(p.alive for p in self.processes)
+
+    def dead(self) -> ServerProcess | None:
+        """The first process (replica or balancer) that has exited, if any."""
+        return next((p for p in self.processes if p.proc is not None and not p.alive), None)
+
+    def death(self, when: str) -> str | None:
+        """Which process exited `when`, with its code and its log's name; None while all live."""
+        p = self.dead()
+        return None if p is None else f"the {p.label} exited with code {p.proc.returncode} {when}; its log is " \
+                                      f"kept ({p.log_path.name})"
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The log of the process that died, else the first replica's."""
+        return (self.dead() or self.servers[0]).log_tail(n)
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):  # the balancer first: no request reaches a stopping replica
+            p.stop()
+
+    def __enter__(self) -> Replicas:
         return self
 
     def __exit__(self, *exc) -> None:

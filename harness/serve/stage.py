@@ -1,7 +1,9 @@
 """The serve stage, in the order that wastes least: the reference's answers first (the HF
 transformers reference server), then the candidate server — accuracy before any load, then
 AIPerf on every pattern — and the baseline under the same load only for a candidate worth
-comparing. Each server runs alone on the slot, so no two share the GPU."""
+comparing. Each server runs alone on its slots, so no two share a GPU; a target asking for
+several replicas gets that many copies of the candidate (and of the baseline), each on its own
+GPU, behind one load balancer, and every replica answers the accuracy prompts."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,7 @@ import math
 import random
 import shlex
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,7 +19,7 @@ from typing import Callable
 from harness.serve import aiperf
 from harness.serve.accuracy import REFERENCE_TOP, Completion, complete, judge, prompt_set
 from harness.serve.job import EngineCandidate, ServeJob
-from harness.serve.server import ServerError, ServerProcess, free_port
+from harness.serve.server import Replicas, ServerError, ServerProcess
 from harness.verdict import PASS, Verdict
 
 SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
@@ -35,7 +38,6 @@ class Served:
 
     verdict: Verdict
     runs: dict[str, aiperf.PatternRun] = field(default_factory=dict)
-    log: Path | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -54,51 +56,53 @@ def engine_argv(job: ServeJob, cand: EngineCandidate, out: Path, port: int) -> l
             "--port", str(port), "--served-model-name", SERVED_NAME, *cand.engine_args(kernels)]
 
 
-def command_argv(command: str, job: ServeJob, port: int) -> list[str]:
-    """A server named by a shell-like command; {port}, {model_dir} and {name} are filled in."""
-    return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME))
+def command_argv(command: str, job: ServeJob, port: int, replica: int = 0) -> list[str]:
+    """A server named by a shell-like command; {port}, {model_dir}, {name} and {replica} (0, 1, ...) are filled in."""
+    return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME, replica=replica))
 
 
 def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
     """Greedy tokens and log-probabilities (with alternatives) of the reference server; and, when
     the reference is also the baseline, its metrics under every pattern from the same session."""
     prompts = prompt_set(job.model_dir, job.accuracy, rng)
-    port = free_port()
-    with ServerProcess("reference", reference_argv(job, port), out / "server.log", job.env, port) as ref:
+    envs = job.replica_envs if job.baseline == "reference" else job.replica_envs[:1]  # as many as it is loaded with
+    with Replicas("reference", lambda _, port: reference_argv(job, port), envs, out, job.python) as ref:
         ref.start(job.start_timeout_s)
-        reference = Reference(prompts, [complete(ref.url, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
+        one = ref.servers[0].url  # the replicas are one model: one answers
+        reference = Reference(prompts, [complete(one, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
                                         for p in prompts])
         return reference, (_load_baseline(job, ref, out) if job.baseline == "reference" else None)
 
 
 def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
     """The baseline server (a command's) under every pattern."""
-    port = free_port()
-    with ServerProcess("baseline", command_argv(job.baseline, job, port), out / "server.log", job.env, port) as server:
+    with Replicas("baseline", lambda i, port: command_argv(job.baseline, job, port, i), job.replica_envs, out,
+                  job.python) as server:
         server.start(job.start_timeout_s)
         return _load_baseline(job, server, out)
 
 
-def _load_baseline(job: ServeJob, server: ServerProcess, out: Path) -> dict[str, aiperf.PatternRun]:
+def _load_baseline(job: ServeJob, server: Replicas, out: Path) -> dict[str, aiperf.PatternRun]:
     """A baseline that fails under load is an error of the run, not a verdict on a candidate."""
     runs = {}
     for p in job.patterns:
         runs[p.name] = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
                                   job.pattern_timeout_s)
         if not server.alive or runs[p.name].errors:
-            raise ServerError(f"the baseline server failed on pattern {p.name} "
-                              f"({runs[p.name].errors} failed requests); log: {server.log_tail(300)}")
+            raise ServerError(f"the baseline failed on pattern {p.name} ({runs[p.name].errors} failed requests"
+                              f"{'; ' + server.death('meanwhile') if not server.alive else ''}); "
+                              f"log: {server.log_tail(300)}")
     return runs
 
 
-def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int], list[str]], reference: Reference,
-                    out: Path) -> Served:
-    """Start the candidate server (argv_for(port)), judge its accuracy, then load it with every pattern."""
+def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, int], list[str]],
+                    reference: Reference, out: Path) -> Served:
+    """Start the candidate's replicas (argv_for(replica, port)), judge each one's accuracy, then
+    load them (through the balancer when several) with every pattern."""
     verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"])
-    result = Served(verdict, log=out / "server.log")
+    result = Served(verdict)
     t0 = time.monotonic()
-    port = free_port()
-    with ServerProcess("candidate", argv_for(port), result.log, job.env, port) as server:
+    with Replicas("candidate", argv_for, job.replica_envs, out, job.python) as server:
         try:
             server.start(job.start_timeout_s)
         except ServerError as e:
@@ -111,9 +115,9 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int], 
                                  job.pattern_timeout_s)
             except aiperf.AIPerfError as e:
                 run, failure = None, str(e)
-            if not server.alive:
-                verdict.crash("server_died", f"the server exited with code {server.proc.returncode} during "
-                                             f"pattern {p.name}; its log is kept (server.log)")
+            death = server.death(f"during pattern {p.name}")
+            if death:
+                verdict.crash("server_died", death)
             elif run is None:
                 verdict.crash("load", failure)
             elif run.errors:
@@ -130,24 +134,43 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int], 
 def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path, command: str | None = None) -> Served:
     """The serve stage for an engine configuration, or for any server `command` starts."""
     if command is None:
-        return serve_candidate(job, cand.id, lambda port: engine_argv(job, cand, out, port), reference, out)
-    return serve_candidate(job, cand.id, lambda port: command_argv(command, job, port), reference, out)
+        return serve_candidate(job, cand.id, lambda _, port: engine_argv(job, cand, out, port), reference, out)
+    return serve_candidate(job, cand.id, lambda i, port: command_argv(command, job, port, i), reference, out)
 
 
-def _accuracy(server: ServerProcess, job: ServeJob, reference: Reference, result: Served) -> None:
-    try:
-        got = [complete(server.url, SERVED_NAME, p, job.accuracy.max_tokens, 0) for p in reference.prompts]
-    except READ_ERRORS as e:
-        if not server.alive:
-            result.verdict.crash("server_died", f"the server exited with code {server.proc.returncode} "
-                                                f"answering the accuracy prompts")
-        else:
-            result.verdict.gate("accuracy", False, f"no usable greedy completion with logprobs: "
-                                                   f"{type(e).__name__}: {e}")
-        return
-    passed, detail, metrics = judge(got, reference.completions, job.accuracy)
-    result.metrics.update(metrics)
-    result.verdict.gate("accuracy", passed, detail)
+def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served) -> None:
+    """Every replica answers every prompt, straight (not through the balancer, which would spread
+    them), all at once: a replica that is wrong fails the gate like a lone server."""
+    def answers(replica: ServerProcess) -> list[Completion]:
+        return [complete(replica.url, SERVED_NAME, p, job.accuracy.max_tokens, 0) for p in reference.prompts]
+
+    with ThreadPoolExecutor(len(server.servers)) as pool:
+        pending = [pool.submit(answers, replica) for replica in server.servers]
+    several = len(server.servers) > 1
+    details, worst, compared, ties = [], 0.0, 0, 0
+    for k, got in enumerate(pending):
+        which = f"replica {k}: " if several else ""
+        try:
+            got = got.result()
+        except READ_ERRORS as e:
+            death = server.death("answering the accuracy prompts")
+            if death:
+                result.verdict.crash("server_died", death)
+            else:
+                result.verdict.gate("accuracy", False, f"{which}no usable greedy completion with logprobs: "
+                                                       f"{type(e).__name__}: {e}")
+            return
+        passed, detail, metrics = judge(got, reference.completions, job.accuracy)
+        if not passed:
+            result.verdict.gate("accuracy", False, which + detail)
+            return
+        details.append(which + detail)
+        worst = max(worst, metrics["accuracy/max_logprob_diff"])
+        compared += metrics["accuracy/tokens_compared"]
+        ties += metrics["accuracy/near_ties"]
+    result.metrics.update({"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
+                           "accuracy/near_ties": ties})
+    result.verdict.gate("accuracy", True, "; ".join(details))
 
 
 def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: float) -> None:

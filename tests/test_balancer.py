@@ -1,0 +1,163 @@
+"""The load balancer in front of replicas: real aiohttp backends on loopback ports, the
+balancer's own app in front of them (fewest in flight, round-robin among ties, streamed
+responses passed on as they arrive, a dead backend never hidden), then the real balancer
+process in front of two real server processes, one of which is killed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+import urllib.request
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from harness.serve.balancer import make_app
+from harness.serve.server import Replicas, free_ports
+
+FAKES = Path(__file__).resolve().parent / "serve_fakes"
+GAP_S = 0.3  # between a streamed response's chunks
+
+
+def backend(k: int) -> web.Application:
+    """Says which backend it is; holds a request `hold` seconds; streams `chunks` SSE events GAP_S
+    apart; with `break_after`, drops the connection after that many events."""
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": f"model-{k}"}]})
+
+    async def complete(request):
+        body = await request.json()
+        await asyncio.sleep(body.get("hold", 0))
+        if not body.get("stream"):
+            return web.json_response({"backend": k})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["chunks"]):
+            if i == body.get("break_after"):
+                request.transport.close()
+                return response
+            if i:
+                await asyncio.sleep(GAP_S)
+            await response.write(f"data: {json.dumps({'backend': k, 'i': i})}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+@asynccontextmanager
+async def serving(app: web.Application, port: int):
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def balanced(live: int, dead: int = 0):
+    """`live` backends and `dead` ports no one listens on, behind a balancer; yields its URL."""
+    ports = free_ports(live + dead + 1)
+    urls = [f"http://127.0.0.1:{p}" for p in ports[:live + dead]]
+    async with serving(backend(0), ports[0]) if live > 0 else _nothing(), \
+            serving(backend(1), ports[1]) if live > 1 else _nothing():
+        async with serving(make_app(urls), ports[-1]) as url:
+            yield url
+
+
+@asynccontextmanager
+async def _nothing():
+    yield None
+
+
+async def post(session, url, **body):
+    async with session.post(url + "/v1/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+def test_fewest_in_flight_round_robin_among_ties_and_streams_passed_on_as_they_arrive():
+    async def scenario():
+        async with balanced(2) as url, aiohttp.ClientSession() as s:
+            async with s.get(url + "/health") as r:
+                assert r.status == 200 and [b["served"] for b in (await r.json())["backends"]] == [0, 0]
+            async with s.get(url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["id"] == "model-0"
+            # one at a time every backend is idle: they take turns
+            alone = [(await post(s, url))[1]["backend"] for _ in range(4)]
+            assert alone == [0, 1, 0, 1]
+            # a long request on 0: the short ones meanwhile all go to 1, the idle one
+            long = asyncio.ensure_future(post(s, url, hold=1.0))
+            await asyncio.sleep(0.2)
+            meanwhile = [(await post(s, url))[1]["backend"] for _ in range(3)]
+            assert (await long)[1]["backend"] == 0 and meanwhile == [1, 1, 1]
+            # four at once: two each
+            together = await asyncio.gather(*(post(s, url, hold=0.3) for _ in range(4)))
+            assert sorted(b["backend"] for _, b in together) == [0, 0, 1, 1]
+
+            async with s.post(url + "/v1/completions", json={"stream": True, "chunks": 4}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                t0, arrivals, text = time.monotonic(), [], b""
+                async for chunk in r.content.iter_any():
+                    arrivals.append(time.monotonic() - t0)
+                    text += chunk
+            events = [line for line in text.decode().split("\n\n") if line]
+            assert len(events) == 5 and events[-1] == "data: [DONE]"
+            # each event reached the client when the backend wrote it, not at the end
+            assert arrivals[0] < GAP_S / 2 and len(arrivals) >= 4
+            gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+            assert sum(g > GAP_S * 0.7 for g in gaps) == 3, arrivals
+
+            async with s.get(url + "/health") as r:
+                # the stream went to 0, next in turn
+                assert [b["served"] for b in (await r.json())["backends"]] == [6, 7]
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_backend_is_never_hidden():
+    async def scenario():
+        async with balanced(live=1, dead=1) as url, aiohttp.ClientSession() as s:
+            for probe in ("/health", "/v1/models"):
+                async with s.get(url + probe) as r:
+                    assert r.status == 503 and "backend 1" in (await r.json())["error"]["message"]
+            answers = [await post(s, url) for _ in range(2)]
+            assert answers[0] == (200, {"backend": 0})
+            assert answers[1][0] == 502 and "backend 1" in answers[1][1]["error"]["message"]
+            # a backend that drops a stream midway: the client sees a broken response, not a short whole one
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with s.post(url + "/v1/completions", json={"stream": True, "chunks": 4, "break_after": 2}) as r:
+                    async for _ in r.content.iter_any():
+                        pass
+
+    asyncio.run(scenario())
+
+
+def test_replicas_behind_the_balancer_process_and_one_killed(tmp_path):
+    argv = lambda i, port: [sys.executable, str(FAKES / "fixed_token_server.py"), str(port)]  # noqa: E731
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    with Replicas("candidate", argv, [env, env], tmp_path, sys.executable) as group:
+        group.start(30)
+        body = json.dumps({"prompt": [1], "max_tokens": 2}).encode()
+        for _ in range(2):
+            req = urllib.request.Request(group.url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert json.loads(r.read())["choices"][0]["logprobs"]["tokens"] == ["token_id:17"] * 2
+        assert group.alive and group.death("now") is None
+        group.servers[1].proc.send_signal(signal.SIGKILL)
+        group.servers[1].proc.wait()
+        assert not group.alive
+        assert group.death("during pattern x") == ("the candidate replica 1 (of 2) exited with code -9 during "
+                                                   "pattern x; its log is kept (server-1.log)")
+    assert {p.name for p in tmp_path.iterdir()} == {"server-0.log", "server-1.log", "balancer.log"}
+    # stopped with SIGTERM, the balancer says what each replica served
+    assert "backend 0 (" in (tmp_path / "balancer.log").read_text()
