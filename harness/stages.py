@@ -108,7 +108,8 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
             send("gate", name="hidden_work", passed=False,
                  detail=f"{shape.label}: device events say {min(cand_us, cand_us_2):.1f} us per call but calls "
                         f"back to back, synchronized device-wide, take {wall_us:.1f} us each: work on another "
-                        "stream or thread finishes after the timer stops")
+                        "stream or thread finishes after the timer stops (timings: "
+                        f"{cand.how} {cand_us:.1f} us, {cand_2.how} {cand_us_2:.1f} us)")
             return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
              eager_us=eager.us, compile_us=comp.us if comp else None,
