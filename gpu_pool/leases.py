@@ -114,4 +114,3 @@ def lease_group(choices: Callable[[], list[Slot]], n: int) -> Iterator[list[Slot
                     yield held
                     return
         time.sleep(WAIT_POLL_S)
-

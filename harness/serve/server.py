@@ -19,10 +19,6 @@ class ServerError(Exception):
     """The server did not come up, or went away; the message names why and ends in its log."""
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def free_ports(n: int) -> list[int]:
     """n distinct ports free right now: all are held until the last is chosen."""
     socks = [socket.socket() for _ in range(n)]
