@@ -85,20 +85,30 @@ def _cpu_median_us(fn, arg_sets, method: Method) -> float:
     return statistics.median(times) * 1e6
 
 
-def wall_per_call_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], reps: int = 20, rounds: int = 5) -> float:
-    """Host time per call over calls back to back, ended by a device-wide synchronize: work
-    left on another stream (or thread on the device) is inside it, unlike in event timings.
-    The lowest of `rounds` rounds: other work on the host or the device (another process's
-    kernels, a garbage collection) only ever adds time, while hidden work is in every round."""
-    best = float("inf")
-    for _ in range(rounds):
+def host_rounds(fn: Callable[..., Any], arg_sets: Sequence[tuple], reps: int = 10,
+                rounds: int = 5) -> list[tuple[float, float]]:
+    """(events us, wall us) per call, for each of `rounds` rounds: `reps` calls timed with
+    device events (the median), then `reps` calls back to back ended by a device-wide
+    synchronize (the mean). Work left on another stream or thread is inside the wall time
+    and not the events'. The two halves of a round are milliseconds apart, so whatever else
+    loads the host or the device then (another process's kernels) weighs on both."""
+    out = []
+    for r in range(rounds):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         torch.cuda.synchronize()
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            s.record()
+            fn(*arg_sets[(r + i) % len(arg_sets)])
+            e.record()
+        torch.cuda.synchronize()
+        events_us = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
         t = perf_counter()
         for i in range(reps):
-            fn(*arg_sets[i % len(arg_sets)])
+            fn(*arg_sets[(r + i) % len(arg_sets)])
         torch.cuda.synchronize()
-        best = min(best, (perf_counter() - t) / reps * 1e6)
-    return best
+        out.append((events_us, (perf_counter() - t) / reps * 1e6))
+    return out
 
 
 def _estimate_ms(run_once: Callable[[], None]) -> float:
