@@ -32,13 +32,15 @@ EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class Layer:
-    def __init__(self, cfg: ModelConfig, index: int, tensor):
+    def __init__(self, cfg: ModelConfig, index: int, tensor, stacked):
         h, hd, p = cfg.hidden, cfg.head_dim, f"model.layers.{index}."
         self.input_norm = tensor(p + "input_layernorm.weight", h)
         self.post_attention_norm = tensor(p + "post_attention_layernorm.weight", h)
-        self.q_proj = tensor(p + "self_attn.q_proj.weight", cfg.heads * hd, h)
-        self.k_proj = tensor(p + "self_attn.k_proj.weight", cfg.kv_heads * hd, h)
-        self.v_proj = tensor(p + "self_attn.v_proj.weight", cfg.kv_heads * hd, h)
+        # q, k and v stacked in one matrix: one matmul reads them (at decode, one long GEMV
+        # streams better than three, the k and v ones small)
+        self.qkv_split = (cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
+        self.qkv = stacked([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                            p + "self_attn.v_proj.weight"], self.qkv_split, h)
         self.o_proj = tensor(p + "self_attn.o_proj.weight", h, cfg.heads * hd)
         self.q_norm = tensor(p + "self_attn.q_norm.weight", hd)
         self.k_norm = tensor(p + "self_attn.k_norm.weight", hd)
@@ -50,8 +52,8 @@ class Layer:
             self.w_gate_up = tensor(p + EXPERT_STACKS[0], cfg.experts, 2 * n, h)
             self.w_down = tensor(p + EXPERT_STACKS[1], cfg.experts, h, n)
         else:
-            self.gate_proj = tensor(p + "mlp.gate_proj.weight", cfg.intermediate, h)
-            self.up_proj = tensor(p + "mlp.up_proj.weight", cfg.intermediate, h)
+            self.gate_up = stacked([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                                   (cfg.intermediate, cfg.intermediate), h)
             self.down_proj = tensor(p + "mlp.down_proj.weight", h, cfg.intermediate)
 
 
@@ -59,7 +61,9 @@ class Qwen3Model:
     def __init__(self, cfg: ModelConfig, kernels: KernelSet | None, cos_sin: torch.Tensor | None,
                  dtype: torch.dtype, device: str, weights: dict[str, torch.Tensor] | None = None):
         """Empty weights for a loader to fill, or `weights` (every name of `weights()`) used as
-        they are, not copied: models built from one dict share their storage."""
+        they are, not copied: models built from one dict share their storage — except the
+        matrices the model stacks (q/k/v, and a dense MLP's gate/up), which it copies into one
+        tensor each and then names as row views of it."""
         self.cfg = cfg
         self.k = kernels
         self.cos_sin = cos_sin
@@ -76,8 +80,16 @@ class Qwen3Model:
             self._weights[name] = t
             return t
 
+        def stacked(names: list[str], rows: tuple[int, ...], cols: int) -> torch.Tensor:
+            whole = torch.empty((sum(rows), cols), dtype=dtype, device=device)
+            for name, part in zip(names, whole.split(rows)):
+                if weights is not None:
+                    part.copy_(weights[name])
+                self._weights[name] = part
+            return whole
+
         self.embed = tensor("model.embed_tokens.weight", cfg.vocab, cfg.hidden)
-        self.layers = [Layer(cfg, i, tensor) for i in range(cfg.layers)]
+        self.layers = [Layer(cfg, i, tensor, stacked) for i in range(cfg.layers)]
         self.norm = tensor("model.norm.weight", cfg.hidden)
         self.lm_head = self.embed if cfg.tie_embeddings else tensor("lm_head.weight", cfg.vocab, cfg.hidden)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
@@ -109,9 +121,9 @@ class Qwen3Model:
     def _attention(self, i: int, layer: Layer, x, positions, attn: AttentionInputs):
         cfg, k = self.cfg, self.k
         tokens, hd = x.shape[0], cfg.head_dim
-        q = F.linear(x, layer.q_proj).view(-1, hd)
-        key = F.linear(x, layer.k_proj).view(-1, hd)
-        value = F.linear(x, layer.v_proj).view(tokens, cfg.kv_heads, hd)
+        # views of one row each when tokens == 1; copies otherwise (the kernels take contiguous rows)
+        q, key, value = (t.contiguous() for t in F.linear(x, layer.qkv).split(layer.qkv_split, dim=-1))
+        q, key, value = q.view(-1, hd), key.view(-1, hd), value.view(tokens, cfg.kv_heads, hd)
         q = k.rmsnorm(q, layer.q_norm, cfg.rms_eps).view(tokens, cfg.heads, hd)
         key = k.rmsnorm(key, layer.k_norm, cfg.rms_eps).view(tokens, cfg.kv_heads, hd)
         q, key = k.rope(q, key, self.cos_sin, positions)
@@ -126,8 +138,8 @@ class Qwen3Model:
         return F.linear(out.reshape(tokens, -1), layer.o_proj)
 
     def _mlp(self, layer: Layer, x):
-        act = self.k.silu_mul(F.linear(x, layer.gate_proj), F.linear(x, layer.up_proj))
-        return F.linear(act, layer.down_proj)
+        gate, up = (t.contiguous() for t in F.linear(x, layer.gate_up).chunk(2, dim=-1))
+        return F.linear(self.k.silu_mul(gate, up), layer.down_proj)
 
     def _moe(self, layer: Layer, x):
         router_logits = F.linear(x, layer.router)
