@@ -23,7 +23,7 @@ RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 CASES = {  # op -> (model preset, a non-default template point)
     "rope": ("tiny", {"tokens_per_program": 4, "num_warps": 2}),
     "prefill_attention": ("tiny", {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}),
-    "fused_moe": ("tiny-moe", {"block_i": 16, "block_h": 32, "num_warps": 2}),
+    "fused_moe": ("tiny-moe", {"block_i": 16, "block_h": 32, "block_o": 32, "block_k": 32, "num_warps": 2}),
 }
 
 

@@ -26,11 +26,15 @@ GEMV_TEMPLATE = Template(
     name="gemv",
     module="engine_templates.ops.fused_moe.templates",
     space={
-        "block_i": [16, 32, 64, 128],  # intermediate channels per program (gate/up pass)
-        "block_h": [32, 64, 128, 256],  # hidden channels per tile
+        "block_i": [16, 32, 64, 128],  # gate/up pass: intermediate channels per program
+        "block_h": [32, 64, 128, 256],  # gate/up pass: hidden channels per tile
+        "block_o": [16, 32, 64, 128],  # down pass: output (hidden) channels per program
+        "block_k": [32, 64, 128, 256],  # down pass: intermediate channels per tile
         "num_warps": [1, 2, 4, 8],
     },
-    default={"block_i": 32, "block_h": 128, "num_warps": 4},
+    # Small row blocks: at decode there are top_k pairs per token, so the rows are what
+    # spreads the work over the GPU's SMs.
+    default={"block_i": 16, "block_h": 256, "block_o": 16, "block_k": 256, "num_warps": 4},
 )
 
 

@@ -3,9 +3,11 @@
 Pass 1, grid (tokens * top_k, inter / BLOCK_I): one (token, slot) pair and a block of the
 expert's intermediate channels; its gate and up rows are reduced against the token's hidden
 vector tile by tile, and silu(gate) * up goes to a float32 workspace.
-Pass 2, grid (tokens, hidden / BLOCK_H): one token and a block of output channels; it walks the
-token's top_k slots, reduces each expert's down rows against that slot's activation and adds
-them with the routing weight, so the sum over slots needs no atomics and no second pass.
+Pass 2, grid (tokens * top_k, hidden / BLOCK_O): one (token, slot) pair and a block of output
+channels; the expert's down rows, in tiles of BLOCK_K intermediate channels, reduced against
+the pair's activation, times its routing weight, to a float32 workspace; the sum over each
+token's slots is torch's. (One program per token and block, walking its slots, left most of
+the GPU idle at decode: 16 programs for a 2048-wide hidden at batch 1.)
 
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
@@ -45,29 +47,24 @@ def _gate_up_act(X, W_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_we, str
 
 
 @triton.jit
-def _down_sum(ACT, W_D, EXPERTS, WEIGHTS, OUT, hidden, inter, stride_we, stride_wh, stride_ot,
-              TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _down(ACT, W_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh,
+          BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     h_mask = h < hidden
-    out = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + slot
-        expert = tl.load(EXPERTS + pair).to(tl.int64)
-        weight = tl.load(WEIGHTS + pair)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for start in range(0, inter, BLOCK_I):
-            i = start + tl.arange(0, BLOCK_I)
-            i_mask = i < inter
-            a = tl.load(ACT + pair * inter + i, mask=i_mask, other=0.0)
-            w = tl.load(W_D + expert * stride_we + h[:, None] * stride_wh + i[None, :],
-                        mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-        out += weight * acc
-    tl.store(OUT + token.to(tl.int64) * stride_ot + h, out.to(OUT.dtype.element_ty), mask=h_mask)
+    expert = tl.load(EXPERTS + pair).to(tl.int64)
+    acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        i = start + tl.arange(0, BLOCK_K)
+        i_mask = i < inter
+        a = tl.load(ACT + pair * inter + i, mask=i_mask, other=0.0)
+        w = tl.load(W_D + expert * stride_we + h[:, None] * stride_wh + i[None, :],
+                    mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    tl.store(PART + pair * hidden + h, tl.load(WEIGHTS + pair) * acc, mask=h_mask)
 
 
-def build(block_i: int, block_h: int, num_warps: int):
+def build(block_i: int, block_h: int, block_o: int, block_k: int, num_warps: int):
     def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
         tokens, hidden = x.shape
@@ -79,13 +76,13 @@ def build(block_i: int, block_h: int, num_warps: int):
         experts = experts.contiguous()
         weights = weights.contiguous()
         act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=x.device)
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        part = torch.empty((tokens, top_k, hidden), dtype=torch.float32, device=x.device)
         _gate_up_act[(tokens * top_k, triton.cdiv(inter, block_i))](
             x, w_gate_up, experts, act, hidden, inter, x.stride(0), w_gate_up.stride(0),
             w_gate_up.stride(1), TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps)
-        _down_sum[(tokens, triton.cdiv(hidden, block_h))](
-            act, w_down, experts, weights, out, hidden, inter, w_down.stride(0), w_down.stride(1),
-            out.stride(0), TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps)
-        return out
+        _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
+            act, w_down, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
+            BLOCK_K=block_k, BLOCK_O=block_o, num_warps=num_warps)
+        return part.sum(dim=1).to(x.dtype)
 
     return fused_moe
