@@ -48,3 +48,14 @@ def test_malformed_model_dir_and_kernels_file_are_one_line(capsys, tmp_path):
     code, _, err = run(capsys, "engine", "serve", "--model-dir", str(checkpoint("dense")),
                        "--kernels", str(kernels))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "expected {\"impl\"" in err
+
+
+def test_profile_bad_input_is_one_line(capsys):
+    import torch
+
+    code, _, err = run(capsys, "engine", "profile", "--presets", "tiny,nonesuch")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    if torch.cuda.is_available():
+        assert "unknown presets ['nonesuch']" in err
+    else:
+        assert "needs a CUDA GPU" in err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -21,17 +22,23 @@ PROMPTS = ["Hello world!", "The quick brown fox", "Continuous batching lets", "N
 
 
 @pytest.fixture(scope="module")
-def server():
+def server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine_templates.engine", "serve", "--model-dir",
-                             str(checkpoint("dense")), "--dtype", "fp32", "--port", "0",
-                             "--max-model-len", "256", "--max-num-batched-tokens", "64",
-                             "--served-model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    with open(server_log, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine_templates.engine", "serve", "--model-dir",
+                                 str(checkpoint("dense")), "--dtype", "fp32", "--port", "0",
+                                 "--max-model-len", "256", "--max-num-batched-tokens", "64",
+                                 "--served-model-name", "tiny", "--request-log"],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
     line = proc.stdout.readline()
     if not line.startswith("serving tiny on "):
         proc.kill()
-        pytest.fail(f"server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+        pytest.fail(f"server did not start: {line!r} {server_log.read_text()[-2000:]}")
     url = line.split()[3]
     yield url
     proc.terminate()
@@ -87,6 +94,21 @@ def test_completion_streams_valid_sse_with_the_same_text(server):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_request_log_says_where_a_request_spent_its_time(server, server_log):
+    prompt = "A request log line for this one " * 3
+    status, _, text = call(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True})
+    assert status == 200
+    usage_prompt = complete(server, prompt, max_tokens=1)["usage"]["prompt_tokens"]
+    lines = [ln for ln in server_log.read_text().splitlines()
+             if ln.startswith("request ") and f": {usage_prompt} prompt tokens, 5 generated (length)" in ln]
+    assert lines, server_log.read_text()[-2000:]
+    m = re.search(r"handed to the engine ([\d.]+), taken ([\d.]+), first token ([\d.]+), done ([\d.]+)", lines[-1])
+    assert m, lines[-1]
+    handed, taken, first, done = map(float, m.groups())
+    assert 0 <= handed <= taken <= first <= done, lines[-1]
 
 
 def test_chat_streams_role_then_content(server):

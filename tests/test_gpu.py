@@ -63,3 +63,15 @@ def test_an_uncapturable_function_is_timed_with_events_and_graphs_stay_off_after
         assert after.how == "events" and "failed capture" in after.fallback
     finally:
         timing._graphs_off = ""
+
+
+def test_engine_profile_splits_a_decode_step_into_kernels(capsys, tmp_path):
+    from flows.cli import main
+
+    kernels = tmp_path / "k.json"
+    kernels.write_text('{"rmsnorm": {"impl": "template", "template": "rows"}}')
+    assert main(["engine", "profile", "--presets", "tiny-moe", "--batches", "1,4", "--steps", "5",
+                 "--kernels", str(kernels)]) == 0
+    out = capsys.readouterr().out
+    assert "### batch 1: step" in out and "### batch 4: step" in out
+    assert "_rmsnorm_rows" in out  # the template's kernel, named in the eager step's table

@@ -1,5 +1,5 @@
-"""`engine generate`, `engine serve`, `engine serve-reference`, `engine bench` and
-`engine random-checkpoint`: shared by `infersmith engine ...` and, on a GPU host
+"""`engine generate`, `engine serve`, `engine serve-reference`, `engine bench`, `engine profile`
+and `engine random-checkpoint`: shared by `infersmith engine ...` and, on a GPU host
 without the controller's packages, `python -m engine_templates.engine ...`.
 
 Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    """Adds `generate`, `serve`, `serve-reference`, `bench` and `random-checkpoint` to an argparse
+    """Adds `generate`, `serve`, `serve-reference`, `bench`, `profile` and `random-checkpoint` to an argparse
     subparsers object (each sets `engine_fn`)."""
     g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
     _add_engine_options(g)
@@ -37,6 +37,9 @@ def add_commands(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    s.add_argument("--request-log", action="store_true",
+                   help="one line per finished request on stderr: prompt and generated tokens, and the ms after "
+                        "it arrived at which it was handed to the engine, taken by it, had its first token, and ended")
     s.set_defaults(engine_fn=cmd_serve)
     r = sub.add_parser("serve-reference", help="serve a model directory through HF transformers (greedy, one "
                                                "request at a time): the accuracy reference and speed baseline")
@@ -72,6 +75,15 @@ def add_commands(sub) -> None:
     b.add_argument("--tolerance", type=float, help="nats, for agreement (default 0.25 in bf16/fp16, 1e-3 in fp32)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(engine_fn=cmd_bench)
+    f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
+                                       "graphs, the device's busy time, the roofline, and an eager step's kernels")
+    f.add_argument("--presets", default="qwen3-8b", help="comma-separated model presets (default qwen3-8b)")
+    f.add_argument("--kernels", type=Path, help="kernels file (default: every op's PyTorch baseline)")
+    f.add_argument("--batches", default="1", help="comma-separated decode batch sizes (default 1)")
+    f.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    f.add_argument("--steps", type=int, default=30, help="decode steps timed (default 30)")
+    f.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
+    f.set_defaults(engine_fn=cmd_profile)
     c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
                                                  "weights at a preset's shape and a tokenizer for them")
     c.add_argument("--preset", required=True, help="the model preset whose shape it has, e.g. qwen3-8b")
@@ -166,7 +178,7 @@ def cmd_serve(args) -> int:
 
     engine = LLMEngine(engine_config(args))
     name = args.served_model_name or Path(args.model_dir).resolve().name
-    app = create_app(engine, name)
+    app = create_app(engine, name, request_log=args.request_log)
 
     async def serve_forever():
         runner = web.AppRunner(app, access_log=None)
@@ -228,6 +240,12 @@ def cmd_bench(args) -> int:
     except AssertionError as e:
         raise EngineSetupError(f"bad bench option: {e}") from None
     return run(opts)
+
+
+def cmd_profile(args) -> int:
+    from engine_templates.engine.bench.profile import run
+
+    return run(args)
 
 
 def cmd_random_checkpoint(args) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from engine_templates.engine.engine import LLMEngine, stream_safe_text
@@ -32,21 +33,35 @@ class Update:
 
 
 class Request:
-    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 arrived: float | None = None):
         self.prompt = prompt
         self.params = params
         self.updates: asyncio.Queue[Update] = asyncio.Queue()
         self._loop = loop
         self.seq: Sequence | None = None
         self.sent = 0  # characters of text already delivered
+        # perf_counter times: the HTTP request read, handed to the engine thread, taken by it,
+        # its first token sampled (for the request log)
+        self.arrived = arrived if arrived is not None else time.perf_counter()
+        self.submitted = self.added = self.first_token = 0.0
+
+    def timing_line(self, now: float) -> str:
+        ms = lambda a, b: f"{(b - a) * 1e3:.1f}"  # noqa: E731
+        seq = self.seq
+        return (f"request {seq.seq_id}: {seq.num_prompt_tokens} prompt tokens, {seq.num_completion_tokens} "
+                f"generated ({seq.finish_reason}); ms after arrival: handed to the engine {ms(self.arrived, self.submitted)}, "
+                f"taken {ms(self.arrived, self.added)}, first token {ms(self.arrived, self.first_token)}, "
+                f"done {ms(self.arrived, now)}")
 
     def push(self, update: Update) -> None:
         self._loop.call_soon_threadsafe(self.updates.put_nowait, update)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, request_log: bool = False):
         self.engine = engine
+        self.request_log = request_log  # one INFO line of timings per finished request
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, Request] = {}
         self._thread = threading.Thread(target=self._run, name="infersmith-engine", daemon=True)
@@ -60,6 +75,7 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     def submit(self, request: Request) -> None:
+        request.submitted = time.perf_counter()
         self._inbox.put(("add", request))
 
     def abort(self, request: Request) -> None:
@@ -99,6 +115,7 @@ class EngineLoop:
                 request.push(Update("", error=str(e)))
                 return
             self._active[request.seq.seq_id] = request
+            request.added = time.perf_counter()
         elif kind == "abort" and request.seq is not None:
             self.engine.abort(request.seq)
             self._active.pop(request.seq.seq_id, None)
@@ -107,10 +124,14 @@ class EngineLoop:
         request = self._active.get(seq.seq_id)
         if request is None:
             return
+        if not request.first_token and seq.num_completion_tokens:
+            request.first_token = time.perf_counter()
         text = stream_safe_text(seq)
         delta, request.sent = text[request.sent:], len(text)
         if seq.is_finished:
             del self._active[seq.seq_id]
+            if self.request_log:
+                log.info("%s", request.timing_line(time.perf_counter()))
         if seq.is_finished:
             request.push(Update(delta, seq.finish_reason, seq.num_prompt_tokens, seq.num_completion_tokens,
                                 token_ids=tuple(seq.completion_token_ids), logprobs=tuple(seq.logprobs)))

@@ -25,10 +25,10 @@ STATE = web.AppKey("state", object)
 
 
 class ServerState:
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, engine: LLMEngine, model_name: str, request_log: bool = False):
         self.engine = engine
         self.model_name = model_name
-        self.loop = EngineLoop(engine)
+        self.loop = EngineLoop(engine, request_log)
         self.created = int(time.time())
 
 
@@ -81,20 +81,22 @@ async def _body(request: web.Request) -> dict:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
     body = await _body(request)
     state = request.app[STATE]
     prompt = completion_prompt(body, state.engine.tokenizer)
-    return await _generate(request, body, prompt, chat=False, default_max_tokens=16)
+    return await _generate(request, body, prompt, chat=False, default_max_tokens=16, arrived=arrived)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
     body = await _body(request)
     state = request.app[STATE]
     prompt = chat_prompt(body, state.engine.tokenizer)
-    return await _generate(request, body, prompt, chat=True, default_max_tokens=None)
+    return await _generate(request, body, prompt, chat=True, default_max_tokens=None, arrived=arrived)
 
 
-async def _generate(request, body, prompt: list[int], chat: bool, default_max_tokens):
+async def _generate(request, body, prompt: list[int], chat: bool, default_max_tokens, arrived: float):
     state = request.app[STATE]
     if state.loop.failure:
         raise APIError(state.loop.failure, status=503, type_="server_error")
@@ -106,7 +108,7 @@ async def _generate(request, body, prompt: list[int], chat: bool, default_max_to
         raise APIError(f"this model's maximum context length is {limit} tokens; the prompt has "
                        f"{len(prompt)} and max_tokens is {params.max_tokens}",
                        param="max_tokens", code="context_length_exceeded")
-    req = Request(prompt, params, asyncio.get_running_loop())
+    req = Request(prompt, params, asyncio.get_running_loop(), arrived)
     state.loop.submit(req)
     reply = _Reply(state.model_name, chat, body)
     finished = False
@@ -220,9 +222,11 @@ def token_logprobs(tokenizer, token_ids, logprobs, body: dict, top: list[dict] |
     return out
 
 
-def create_app(engine: LLMEngine, model_name: str) -> web.Application:
+def create_app(engine: LLMEngine, model_name: str, request_log: bool = False) -> web.Application:
+    """`request_log`: one INFO line per finished request with where its time went (see
+    engine_loop.Request.timing_line)."""
     app = web.Application(middlewares=[openai_errors])
-    state = ServerState(engine, model_name)
+    state = ServerState(engine, model_name, request_log)
     app[STATE] = state
 
     async def start(_app):
