@@ -28,6 +28,11 @@ class Reference:
     prompts: list[list[int]]
     completions: list[Completion]
 
+    def judge(self, got: list[Completion], rules) -> tuple[bool, str, dict]:
+        """The accuracy gate on the candidate's completions. A method so that a pool host, which
+        must never hold the reference's answers, can ask the controller instead (harness/serve/remote.py)."""
+        return judge(got, self.completions, rules)
+
 
 @dataclass
 class Served:
@@ -145,7 +150,7 @@ def _accuracy(server: ServerProcess, job: ServeJob, reference: Reference, result
             result.verdict.gate("accuracy", False, f"no usable greedy completion with logprobs: "
                                                    f"{type(e).__name__}: {e}")
         return
-    passed, detail, metrics = judge(got, reference.completions, job.accuracy)
+    passed, detail, metrics = reference.judge(got, job.accuracy)
     result.metrics.update(metrics)
     result.verdict.gate("accuracy", passed, detail)
 
