@@ -1,7 +1,9 @@
 """The end-to-end stage on the tiny dense checkpoint, on the CPU: the real engine server and the
-real HF transformers reference server under real AIPerf load; a server streaming a fixed token
-rejected by the accuracy gate; a server dying mid-run is a crash with its log kept, and the flow
-goes on. The gates' rules themselves on hand-made completions and metrics."""
+real HF transformers reference server under real AIPerf load, on a pool host reached over SSH
+(an sshd on loopback); a server streaming a fixed token rejected by the accuracy gate; a server
+dying mid-run is a crash with its log kept, and the flow goes on (those two on this machine's
+slot). A host without the model directory is one line; a session the controller gives up on
+leaves no server behind. The gates' rules themselves on hand-made completions and metrics."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from loopback_sshd import SSHD, loopback_hosts
 from tiny_checkpoints import checkpoint
 
 from flows.cli import main
@@ -35,6 +39,19 @@ def serving_file(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def pool_host(tmp_path_factory):
+    """One pool host over real SSH on loopback: its sessions run the servers and AIPerf "there"."""
+    if not SSHD.exists():
+        pytest.skip("needs an OpenSSH server at /usr/sbin/sshd (.ci/run installs openssh-server)")
+    root = tmp_path_factory.mktemp("serve-ssh")
+    with loopback_hosts(root, ("serve-host",)) as loop:
+        host = loop.host(loop.servers[0])
+        pool_file = root / "pool.yaml"
+        pool_file.write_text(yaml.safe_dump({"hosts": [host.model_dump(mode="json")]}))
+        yield host, pool_file
+
+
 def bench(serving_file, *extra) -> tuple[int, str]:
     # stdout only: Prefect's log handler keeps the stderr it first saw, so no capsys here
     with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -49,11 +66,13 @@ def child_runs(tracker_client, parent_id):
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
-def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server, tracking_home, serving_file):
+def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(prefect_server, tracking_home,
+                                                                               serving_file, pool_host):
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
 
-    code, out = bench(serving_file, "--json")
+    host, pool_file = pool_host
+    code, out = bench(serving_file, "--json", "--pool", str(pool_file))
     result = json.loads(out)
     gates = {g["name"]: g for g in result["gates"]}
     assert gates["accuracy"]["passed"], gates["accuracy"]["detail"]
@@ -76,6 +95,15 @@ def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server,
     assert json.loads(Path(exported).read_text())["request_count"]["avg"] == 6
     parent = client.get_run(result["parent_run_id"]).data.metrics
     assert parent["baseline/chat-short/output_tps"] == rows["output_tps"]["baseline"]
+    # The sessions ran on the host, and what they wrote came back: the worker's log, AIPerf's exports.
+    assert run.data.tags["infersmith.host"] == "serve-host"
+    worker_log = Path(client.download_artifacts(run.info.run_id, "serve/worker.log")).read_text()
+    assert "Traceback" not in worker_log
+    baseline = Path(client.download_artifacts(result["parent_run_id"], "baseline"))
+    assert (baseline / "aiperf" / "chat-short" / "profile_export_aiperf.json").is_file()
+    # The reference's answers and the held-out prompts stayed in memory, and the host keeps no session.
+    assert not list(baseline.rglob("answers.json")) and not list(baseline.rglob("job.json"))
+    assert list((Path(host.workdir) / "runs").iterdir()) == []
 
 
 def test_fixed_token_stream_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home, serving_file):
@@ -158,3 +186,54 @@ def test_serve_bench_usage_errors_are_one_line(capsys, argv, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tmp_path):
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import ServeSetupError, SSHServe
+
+    host, pool_file = pool_host
+    # Before the run: the host is asked, and no flow starts.
+    assert main(["serve-bench", "--model-dir", "/no/such/dir", "--model", "tiny", "--pool", str(pool_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "infersmith: host serve-host: no model directory /no/such/dir (it must be there: " \
+                          "checkpoints are not shipped)"
+    # In a session (a host that lost it since): the run's error, as one line.
+    slot = Pool(hosts=[host]).slots()[0]
+    with pytest.raises(ServeSetupError, match=r"^host serve-host: no model directory /no/such/dir \(") as e:
+        SSHServe(slot).baseline(job_for(Target(model="tiny"), Path("/no/such/dir"), slot), tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_host, tmp_path):
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import SSHServe
+    from harness.serve.server import ServerError
+
+    host, _ = pool_host
+    slot = Pool(hosts=[host]).slots()[0]
+    token = f"never-ready-{tmp_path.name}"  # names the hanging server's process
+    hang = f"{sys.executable} -c \"print('warming up', flush=True); import time; time.sleep(300)\" {token}"
+    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120}})
+    model_dir = tmp_path / "model"  # what a baseline session reads of it: that it is there
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+    out = tmp_path / "out"
+    with pytest.raises(ServerError, match="ran past its 5 s limit and was killed"):
+        SSHServe(slot, limit_s=5).baseline(job_for(target, model_dir, slot), out)
+    assert "warming up" in (out / "server.log").read_text()  # what it wrote came back
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
+    assert left == [], "the baseline server outlived its session"
+    assert list((Path(host.workdir) / "runs").iterdir()) == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
