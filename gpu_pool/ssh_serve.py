@@ -22,7 +22,7 @@ from typing import Callable
 import paramiko
 
 from gpu_pool.health import HostFault
-from gpu_pool.pool import Slot
+from gpu_pool.pool import Host, Slot
 from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
 from harness.serve.accuracy import judge
 from harness.serve.aiperf import AIPerfError, PatternRun
@@ -103,8 +103,6 @@ class SSHServe:
         """(result.json, or {"timed_out": s} or {"died": why}; the secret file's JSON) of one session."""
         host, q = self.slot.host, shlex.quote
         client = connect(host)
-        result = hidden = None
-        ended = False
         try:
             workdir = workdir_of(client, host)
             bundle_dir, _ = ensure_bundle(client, host, workdir)
@@ -128,22 +126,33 @@ class SSHServe:
             try:
                 ended = self._wait(client, f"cd {q(run_dir)} && exec setsid -w sh -c {q(inner)}", run_dir,
                                    limit, decide)
-            finally:  # ended, timed out, cancelled, Ctrl-C: the servers die, what finished is fetched
-                if client.get_transport().is_active():
-                    try:
-                        if not ended:
-                            run_command(client, host, killer, 30)
-                        result, hidden = _collect(client, host, run_dir, out, secret)
-                        run_command(client, host, f"rm -rf {q(run_dir)}")
-                    except HostFault as fault:
-                        if ended:
-                            raise
-                        log.warning("%s: the serve session %s was left behind: %s", self.slot.label, run_dir, fault)
+            except BaseException:  # the connection dropped, the flow was cancelled, Ctrl-C
+                self._salvage(client, run_dir, out, killer)
+                raise
+            # after a timeout the servers die first; either way what the session wrote comes back
+            result, hidden = _wrap_up(client, host, run_dir, out, secret, killer=None if ended else killer)
         finally:
             client.close()
         if not ended:
-            return {"timed_out": self._limit(job)}, None
+            return {"timed_out": limit}, None
         return result if result is not None else {"died": _tail(out / "worker.log", 600)}, hidden
+
+    def _salvage(self, client: paramiko.SSHClient, run_dir: str, out: Path, killer: str) -> None:
+        """Stop a session the controller gives up on and keep what it wrote, over the same connection
+        if it still stands, else a fresh one. What fails here is logged: the host ends the session
+        on its own anyway, and the fault that led here is the one raised."""
+        fresh = None
+        try:
+            transport = client.get_transport()
+            if transport is None or not transport.is_active():
+                client = fresh = connect(self.slot.host)
+            _wrap_up(client, self.slot.host, run_dir, out, None, killer)
+        except HostFault as fault:
+            log.warning("%s: could not stop the serve session %s (the host ends it within %.0f s of its "
+                        "limit): %s", self.slot.label, run_dir, REMOTE_GRACE_S, fault.reason)
+        finally:
+            if fresh is not None:
+                fresh.close()
 
     def _wait(self, client: paramiko.SSHClient, command: str, run_dir: str, limit_s: float,
               decide: Callable[[list[dict]], bool] | None) -> bool:
@@ -189,9 +198,19 @@ def _answer(sftp: paramiko.SFTPClient, run_dir: str, decide: Callable[[list[dict
     return True
 
 
-def _collect(client: paramiko.SSHClient, host, run_dir: str, out: Path,
+def _wrap_up(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path, secret: str | None,
+             killer: str | None) -> tuple[dict | None, dict | None]:
+    """The session's end on the host: its processes killed (when `killer` is given), out/ copied
+    into `out`, result.json and the secret file read into memory only, the run folder removed."""
+    if killer:
+        run_command(client, host, killer, 30)
+    found = _collect(client, host, run_dir, out, secret)
+    run_command(client, host, f"rm -rf {shlex.quote(run_dir)}")
+    return found
+
+
+def _collect(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path,
              secret: str | None) -> tuple[dict | None, dict | None]:
-    """out/ copied into `out`; result.json and the secret file read into memory only."""
     def fetch(remote: str, local: Path) -> None:
         local.mkdir(parents=True, exist_ok=True)
         for entry in sftp.listdir_attr(remote):

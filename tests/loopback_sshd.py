@@ -98,6 +98,7 @@ class Loopback:
 @contextmanager
 def loopback_hosts(root: Path, names: tuple[str, ...]) -> Iterator[Loopback]:
     """One running sshd per name under root; all killed on exit."""
+    root.mkdir(parents=True, exist_ok=True)
     client_key = root / "client_key"
     authorized = root / "authorized_keys"
     authorized.write_text(_keygen(client_key) + "\n")

@@ -83,6 +83,10 @@ def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, 
     row_a = next(line for line in out if line.startswith("loop-a"))
     row_gone = next(line for line in out if line.startswith("gone"))
     assert " ok " in row_a and "none (CPU)" in row_a and "ok (compile" in row_a
+    # what the serve stage needs of the host's python, reported beside torch and triton
+    from importlib.metadata import version
+    assert out[0].split()[8:10] == ["transformers", "aiperf"]
+    assert f" {version('transformers')} " in row_a and f" {version('aiperf')} " in row_a
     assert "unreachable: cannot connect" in row_gone
 
 

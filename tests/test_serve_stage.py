@@ -11,6 +11,7 @@ import io
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,47 @@ def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
     assert left == [], "the baseline server outlived its session"
     assert list((Path(host.workdir) / "runs").iterdir()) == []
+
+
+def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
+    """The host's sshd dies while its baseline server starts: a HostFault (which the dispatch benches
+    and retries elsewhere), not a hang nor a verdict on anyone's server."""
+    import threading
+
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.health import HostFault
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import SSHServe
+
+    if not SSHD.exists():
+        pytest.skip("needs an OpenSSH server at /usr/sbin/sshd")
+    hang = f"{sys.executable} -c \"print('warming up', flush=True); import time; time.sleep(300)\""
+    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120}})
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+    with loopback_hosts(tmp_path / "ssh", ("doomed",)) as loop:
+        host = loop.host(loop.servers[0])
+        runs = Path(host.workdir) / "runs"
+
+        def drop_once_serving():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any((d / "out" / "server.log").exists() for d in (runs.iterdir() if runs.exists() else ())):
+                    loop.servers[0].kill()
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=drop_once_serving, daemon=True)
+        killer.start()
+        slot = Pool(hosts=[host]).slots()[0]
+        t0 = time.monotonic()
+        with pytest.raises(HostFault, match="connection"):
+            SSHServe(slot).baseline(job_for(target, model_dir, slot), tmp_path / "out")
+        killer.join(timeout=1)
+        assert loop.servers[0].proc.poll() is not None and time.monotonic() - t0 < 60
 
 
 def _cmdline(proc: Path) -> bytes:
