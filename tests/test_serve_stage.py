@@ -1,10 +1,11 @@
 """The end-to-end stage on the tiny dense checkpoint, on the CPU: two replicas of the real engine
 server against two of the real HF transformers reference server, each pair behind the load
 balancer, under real AIPerf load, on a pool host reached over SSH (an sshd on loopback); one
-replica of two streaming a fixed token rejected by the accuracy gate; a server dying mid-run is a
-crash with its log kept, and the flow goes on (those two on this machine's slot). A host without
-the model directory is one line; a session the controller gives up on leaves no server behind.
-The gates' rules themselves on hand-made completions and metrics."""
+replica of two streaming a fixed token rejected by the accuracy gate, on this machine's slot and
+on the pool host (where the controller judges every replica); a server dying mid-run is a crash
+with its log kept, and the flow goes on. A host without the model directory is one line; a
+session the controller gives up on leaves no server behind; a pool host's GPUs go one to each
+replica. The gates' rules themselves on hand-made completions and metrics."""
 from __future__ import annotations
 
 import contextlib
@@ -126,13 +127,17 @@ def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(
     assert list((Path(host.workdir) / "runs").iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["this machine", "pool host"])
 def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home,
-                                                                              serving_file):
+                                                                              serving_file, request, where):
     # Replica 0 the engine, replica 1 the fixed-token server. A baseline command other than the
-    # reference is measured only for a candidate worth comparing.
+    # reference is measured only for a candidate worth comparing. On the pool host the detail is
+    # the controller's: the host's gate only says it was judged there.
+    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
     fake = f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}}"
     either = f"sh -c 'if [ {{replica}} = 1 ]; then exec {fake}; else exec {ENGINE}; fi'"
-    code, out = bench(serving_file, "--candidate", either, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+    code, out = bench(serving_file, "--candidate", either, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'",
+                      *pool)
     assert code == 1
     assert "accuracy: FAILED  replica 1: prompt 0 (shown), token 0: greedy token 17" in out
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
@@ -253,9 +258,10 @@ def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_
 
     host, _ = pool_host
     slot = Pool(hosts=[host]).slots()[0]
-    token = f"never-ready-{tmp_path.name}"  # names the hanging server's process
+    token = f"never-ready-{tmp_path.name}"  # names the hanging servers' processes
     hang = f"{sys.executable} -c \"print('warming up', flush=True); import time; time.sleep(300)\" {token}"
-    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120}})
+    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120,
+                                                                           "replicas": 2}})
     model_dir = tmp_path / "model"  # what a baseline session reads of it: that it is there
     model_dir.mkdir()
     for name in ("config.json", "tokenizer.json"):
@@ -263,9 +269,10 @@ def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_
     out = tmp_path / "out"
     with pytest.raises(ServerError, match="ran past its 5 s limit and was killed"):
         SSHServe([slot], limit_s=5).baseline(job_for(target, model_dir, [slot]), out)
-    assert "warming up" in (out / "server.log").read_text()  # what it wrote came back
+    for replica in (0, 1):  # what they wrote came back
+        assert "warming up" in (out / f"server-{replica}.log").read_text()
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
-    assert left == [], "the baseline server outlived its session"
+    assert left == [], "a baseline replica outlived its session"
     assert list((Path(host.workdir) / "runs").iterdir()) == []
 
 
@@ -308,6 +315,24 @@ def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
             SSHServe([slot]).baseline(job_for(target, model_dir, [slot]), tmp_path / "out")
         killer.join(timeout=1)
         assert loop.servers[0].proc.poll() is not None and time.monotonic() - t0 < 60
+
+
+def test_a_pool_hosts_gpus_go_one_to_each_replica_there():
+    """The job of a leased group on a GPU host: each replica its own GPU of the group, the host's
+    python, the model directory as a path there; and it crosses the wire to the host intact."""
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Host, Pool
+    from harness.serve.remote import job_from_dict, job_to_dict
+
+    host = Host(name="h200-a", address="10.0.0.5", gpus=[2, 5, 7], gpu_class="h200", python="/opt/venv/bin/python")
+    group = Pool(hosts=[host]).slots()[1:]  # GPUs 5 and 7, as a lease of two might hold them
+    job = job_for(Target.model_validate({"model": "tiny", "serving": SERVING | {"replicas": 2}}),
+                  Path("/data/tiny"), group)
+    assert job.device == "cuda" and [e["CUDA_VISIBLE_DEVICES"] for e in job.replica_envs] == ["5", "7"]
+    assert job.python == "/opt/venv/bin/python" and job.model_dir == Path("/data/tiny")
+    assert "PYTHONPATH" not in job.env  # the host's worker sets its bundle's, which the servers inherit
+    assert job_from_dict(json.loads(json.dumps(job_to_dict(job)))) == job
 
 
 def _cmdline(proc: Path) -> bytes:
