@@ -334,7 +334,7 @@ def _serve_place(args, target):
     """The pool and the model directory, refused at once when no host can run the target's
     replicas. Where a slot is this machine the directory is checked here; a pool host is asked
     before the run whether it has the directory (a path there: no checkpoint is shipped), aiperf,
-    torch and transformers, so that a lack is one line, not a crash."""
+    torch, transformers and aiohttp, so that a lack is one line, not a crash."""
     from gpu_pool.check import serve_problems
 
     pool = _pool(args.pool)

@@ -82,7 +82,7 @@ def problems(model_dir: Path) -> list[str]:
         aiperf.aiperf_command()
     except aiperf.AIPerfError:
         out.append(f"no aiperf beside {sys.executable} or on PATH (pip install aiperf into that environment)")
-    lacking = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    lacking = [m for m in ("torch", "transformers", "aiohttp") if importlib.util.find_spec(m) is None]
     if lacking:
         out.append(f"{sys.executable} cannot import {', '.join(lacking)}")
     return out
