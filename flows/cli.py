@@ -330,6 +330,33 @@ def _model_dir(path: str) -> Path:
     return d.resolve()
 
 
+def _serve_place(args, target):
+    """The pool and the model directory, refused at once when no host can run the target's
+    replicas. Where a slot is this machine the directory is checked here; a pool host is asked
+    before the run whether it has the directory (a path there: no checkpoint is shipped), aiperf,
+    torch, transformers and aiohttp, so that a lack is one line, not a crash."""
+    from gpu_pool.check import serve_problems
+
+    pool = _pool(args.pool)
+    slots = pool.slots(target.gpu_class)
+    if not slots:
+        raise UsageError(f"the pool has no host of GPU class {target.gpu_class}")
+    problem = pool.group_problem(target.gpu_class, target.serving.replicas)
+    if problem:
+        raise UsageError(f"serving.replicas: {problem}")
+    if any(s.host.is_local for s in slots):
+        model_dir = str(_model_dir(args.model_dir))
+    elif not Path(args.model_dir).is_absolute():
+        raise UsageError(f"--model-dir must be an absolute path on the pool hosts, not {args.model_dir}")
+    else:
+        model_dir = args.model_dir
+    hosts = {s.host.name: s.host for s in slots if not s.host.is_local}
+    lacks = [f"host {name}: {line}" for name, host in hosts.items() for line in serve_problems(host, model_dir)]
+    if lacks:
+        raise UsageError("; ".join(lacks))
+    return pool, model_dir
+
+
 def _kernels(path: str | None) -> dict:
     """A kernels file as the engine reads it (relative paths resolved), back to its JSON form."""
     if not path:
@@ -344,20 +371,14 @@ def _kernels(path: str | None) -> dict:
     return {op: {k: v for k, v in vars(spec).items() if v} for op, spec in specs.items()}
 
 
-def _serve_pool(args, target):
-    """The pool, refused at once when no host can run the target's replicas."""
-    pool = _pool(args.pool)
-    problem = pool.group_problem(target.gpu_class, target.serving.replicas)
-    if problem:
-        raise UsageError(f"serving.replicas: {problem}")
-    return pool
-
-
 def _serve_errors():
+    from gpu_pool.health import HostFault
+    from gpu_pool.ssh_serve import ServeSetupError
     from harness.serve.aiperf import AIPerfError
     from harness.serve.server import ServerError
 
-    return AIPerfError, ServerError
+    # HostFault: every host of the pool failed (the dispatch retried on the others first)
+    return AIPerfError, ServerError, ServeSetupError, HostFault
 
 
 def _fmt(v) -> str:
@@ -366,12 +387,12 @@ def _fmt(v) -> str:
 
 def cmd_serve_bench(args) -> int:
     target = _serve_target(args)
-    model_dir = _model_dir(args.model_dir)
     kernels = _kernels(args.kernels)
+    pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import serve_bench
 
     try:
-        result = serve_bench(str(model_dir), target, kernels, args.candidate, _serve_pool(args, target))
+        result = serve_bench(model_dir, target, kernels, args.candidate, pool)
     except _serve_errors() as e:
         print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
         return 1
@@ -392,13 +413,13 @@ def cmd_serve_bench(args) -> int:
 
 def cmd_optimize_engine(args) -> int:
     target = _serve_target(args, args.budget, args.wall_clock)
-    model_dir = _model_dir(args.model_dir)
     include = [{"kernels": _kernels(k)} for k in args.include or []]
+    pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import optimize_engine
 
     try:
-        result = optimize_engine(str(model_dir), target, args.seed, args.kernels_per_op, include,
-                                 _serve_pool(args, target), proposer=args.proposer)
+        result = optimize_engine(model_dir, target, args.seed, args.kernels_per_op, include, pool,
+                                 proposer=args.proposer)
     except _serve_errors() as e:
         print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
         return 1
@@ -406,7 +427,8 @@ def cmd_optimize_engine(args) -> int:
 
 
 def _add_serve_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", required=True, help="HF-format checkpoint directory the servers load")
+    p.add_argument("--model-dir", required=True, help="HF-format checkpoint directory the servers load "
+                                                       "(with --pool: a path on the pool hosts)")
     p.add_argument("--baseline", help='the server to beat: "reference" (default: the HF transformers reference '
                                       'server) or a command with {port}, {model_dir}, {name}')
     p.add_argument("--serving", help="YAML or JSON file of serving settings (traffic, accuracy, margin, baseline)")

@@ -32,8 +32,6 @@ class Session:
 
     def __init__(self, kind: str, name: str, model_dir: Path, target: Target, pool: Pool | None, params: dict):
         self.model_dir, self.target = Path(model_dir), target
-        if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"not a model directory: {model_dir} has no config.json")
         pool = pool or local_pool()
         self.slots = pool.slots(target.gpu_class)
         if not self.slots:
@@ -41,6 +39,9 @@ class Session:
         too_small = pool.group_problem(target.gpu_class, target.serving.replicas)
         if too_small:
             raise ValueError(too_small)
+        # On a pool host the directory is a path there, checked by the host's session.
+        if any(s.host.is_local for s in self.slots) and not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"not a model directory: {model_dir} has no config.json")
         classes = {s.host.gpu_class for s in self.slots}
         self.scope = RunScope(OP, target.model, target.serve_key(), classes.pop() if len(classes) == 1 else "mixed")
         ensure_limits(pool)

@@ -15,11 +15,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.target import Target
 from gpu_pool.dispatch import run_leased_group
+from gpu_pool.executors import serve_sessions
 from gpu_pool.local import WORKER_ROOT
 from gpu_pool.pool import Slot
 from harness.serve.aiperf import PatternRun
 from harness.serve.job import EngineCandidate, ServeJob
-from harness.serve.stage import Reference, Served, compare, measure_baseline, reference_answers
+from harness.serve.stage import Reference, Served, compare
 from harness.verdict import PASS, Verdict
 from tasks.stages import serve_stage
 from tracking.ledger import Charge
@@ -28,36 +29,38 @@ from tracking.schema import Tracker
 
 def job_for(target: Target, model_dir: Path, group: list[Slot]) -> ServeJob:
     """The stage's job on a leased group (leases.lease_group): each replica on its own GPU of the
-    group, or all of them on the CPU of a CPU-only host."""
+    group, or all of them on the CPU of a CPU-only host. On a pool host the model directory is a
+    path there (never shipped) and the host's python runs the servers; PYTHONPATH is then the
+    serve worker's own (its bundle), which the servers and the balancer inherit."""
     slot = group[0]
-    if not slot.host.is_local:
-        raise ValueError(f"the serve stage runs on this machine's slots only for now; {slot.label} is a remote host")
     s = target.serving
-    env = {"PYTHONPATH": str(WORKER_ROOT)}
+    local = slot.host.is_local
+    env = {"PYTHONPATH": str(WORKER_ROOT)} if local else {}
     if slot.gpu is None:
         env["TRITON_INTERPRET"] = "1"  # a template kernel in the engine runs in Triton's interpreter
     devices = ("",) * s.replicas if slot.gpu is None else tuple(str(g.gpu) for g in group)
-    return ServeJob(model_dir=Path(model_dir).resolve(), dtype=target.dtype,
+    return ServeJob(model_dir=Path(model_dir).resolve() if local else Path(model_dir), dtype=target.dtype,
                     device="cpu" if slot.gpu is None else "cuda", env=env, devices=devices,
                     max_model_len=s.max_model_len, patterns=tuple(p.to_job() for p in s.traffic),
                     accuracy=target.accuracy_rules(), margin=s.margin, baseline=s.baseline,
                     start_timeout_s=s.start_timeout_s, pattern_timeout_s=target.budget.stage_timeout_s,
-                    python=sys.executable)
+                    python=sys.executable if local else slot.host.python)
 
 
 class Baseline:
     """The baseline server's metrics, measured once: with the reference's answers when the
-    reference is the baseline, else the first time a candidate needs them, on its slot."""
+    reference is the baseline, else the first time a candidate needs them, on its slots (so on the
+    same kind of host as the candidate, by the same mechanism)."""
 
     def __init__(self, out: Path):
         self.out = out
         self.runs: dict[str, PatternRun] | None = None
         self._lock = threading.Lock()
 
-    def get(self, job: ServeJob) -> dict[str, PatternRun]:
+    def get(self, job: ServeJob, group: list[Slot]) -> dict[str, PatternRun]:
         with self._lock:
             if self.runs is None:
-                self.runs = measure_baseline(job, self.out)
+                self.runs = serve_sessions(group).baseline(job, self.out)
             return self.runs
 
     def metrics(self) -> dict[str, float]:
@@ -66,12 +69,13 @@ class Baseline:
 
 @task(name="reference", cache_policy=NO_CACHE)
 def reference_task(target: Target, model_dir: Path, slots: list[Slot], baseline: Baseline) -> Reference:
-    """The reference server's greedy answers (the held-out prompts are drawn here, from a seed
-    no one sees), and the baseline's metrics when the reference is the baseline."""
+    """The reference server's greedy answers (the held-out prompts drawn from a seed no one sees;
+    on a pool host the seed goes with the session and is removed with it), and the baseline's
+    metrics when the reference is the baseline."""
     rng = random.Random(secrets.randbits(64))
     reference, runs = run_leased_group(slots, target.serving.replicas,
-                                       lambda group: reference_answers(job_for(target, model_dir, group),
-                                                                       baseline.out, rng))
+                                       lambda group: serve_sessions(group).reference(
+                                           job_for(target, model_dir, group), baseline.out, rng))
     baseline.runs = runs
     return reference
 
@@ -100,9 +104,9 @@ def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_di
         start, t0 = time.time(), time.monotonic()
         try:
             job = job_for(target, model_dir, group)
-            served = serve_stage(job, cand, reference, out, command)
+            served = serve_stage(group, job, cand, reference, out, command)
             if served.verdict.status == PASS:
-                compare(served, baseline.get(job), target.serving.margin)
+                compare(served, baseline.get(job, group), target.serving.margin)
             return served
         finally:  # every GPU of the group was held the whole time
             charge.add_stage("serve", len(group) * (time.monotonic() - t0), slot.usd_per_second)

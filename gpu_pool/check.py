@@ -34,6 +34,18 @@ try:
     info["triton"] = triton.__version__
 except ImportError:
     info["triton"] = "missing"
+# The serve stage's needs: transformers (the reference server) and the aiperf command beside
+# this interpreter or on PATH, as harness/serve/aiperf.py looks for it.
+import importlib.metadata, os, shutil
+def _version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+info["transformers"] = _version("transformers") or "missing"
+beside = os.path.join(os.path.dirname(sys.executable), "aiperf")
+found = beside if os.path.exists(beside) else shutil.which("aiperf")
+info["aiperf"] = (_version("aiperf") or "found") if found else "missing"
 try:
     out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=30).stdout
@@ -62,7 +74,7 @@ class HostReport:
         gpus = ", ".join(f"{g['name']} ({g['free_gib']:.0f} GiB free)" for g in i.get("gpus", [])) or "none (CPU)"
         status = "ok" if self.reachable else f"unreachable: {self.detail}"
         return [h.name, where, h.gpu_class, status, gpus if self.reachable else "-", i.get("driver", "-"),
-                i.get("torch", "-"), i.get("triton", "-"), self.bundle]
+                i.get("torch", "-"), i.get("triton", "-"), i.get("transformers", "-"), i.get("aiperf", "-"), self.bundle]
 
 
 def probe(host: Host) -> dict:
@@ -102,7 +114,32 @@ def check_host(host: Host, job_for: Callable[[Slot], Job], stage_timeout_s: floa
 
 
 def table(reports: list[HostReport]) -> str:
-    head = ["host", "address", "class", "status", "GPUs", "driver", "torch", "triton", "bundle"]
+    head = ["host", "address", "class", "status", "GPUs", "driver", "torch", "triton", "transformers", "aiperf",
+            "bundle"]
     rows = [head] + [r.row() for r in reports]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def serve_problems(host: Host, model_dir: str) -> list[str]:
+    """What the host lacks to serve model_dir (the directory there, aiperf, torch, transformers),
+    asked of the worker's own check so that this and the session agree; [] when the host is
+    unreachable, which the dispatch's retries deal with."""
+    from gpu_pool.ssh import ensure_bundle, worker_env, workdir_of
+
+    try:
+        client = connect(host)
+    except HostFault:
+        return []
+    try:
+        bundle_dir, _ = ensure_bundle(client, host, workdir_of(client, host))
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(Pool(hosts=[host]).slots()[0], bundle_dir).items())
+        rc, out, err = run_command(client, host, f"env {env} {host.python} -m harness.serve check "
+                                                 f"{shlex.quote(model_dir)}", 120)
+    except HostFault:
+        return []
+    finally:
+        client.close()
+    if rc not in (0, 1) or (rc == 1 and not out.strip()):
+        return [f"{host.python} failed: {(err.strip().splitlines() or ['?'])[-1]}"]
+    return out.strip().splitlines()

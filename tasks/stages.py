@@ -4,9 +4,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from gpu_pool.executors import run_stage
+from gpu_pool.executors import run_serve, run_stage
 from harness.job import Candidate
-from harness.serve.stage import serve
 from proposers.base import Trial
 from engine_templates.ops import get_op
 
@@ -29,5 +28,5 @@ STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microben
 
 
 
-# The end-to-end stage: servers and AIPerf in subprocesses on the leased slot (harness/serve).
-serve_stage = task(name="serve", cache_policy=NO_CACHE)(serve)
+# The end-to-end stage: servers and AIPerf in subprocesses on the leased slots' host (harness/serve).
+serve_stage = task(name="serve", cache_policy=NO_CACHE)(run_serve)

@@ -2,133 +2,32 @@
 key and workdir, reached with a generated client key. Candidates run under Triton's interpreter."""
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from loopback_sshd import free_port, loopback_hosts, needs_sshd
 
 from flows.optimize_op import optimize_op
 from flows.target import Target
 from gpu_pool.bundle import current_bundle
 from gpu_pool.health import HEALTH, HostFault
-from gpu_pool.pool import Host, Pool
+from gpu_pool.pool import Pool
 from gpu_pool.ssh import connect, ensure_bundle, workdir_of
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
 
-SSHD = Path("/usr/sbin/sshd")
-pytestmark = pytest.mark.skipif(not SSHD.exists(), reason="needs an OpenSSH server at /usr/sbin/sshd "
-                                                          "(.ci/run installs openssh-server)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _keygen(path: Path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-    return path.with_suffix(".pub").read_text().strip()
-
-
-@dataclass
-class SSHServer:
-    name: str
-    port: int
-    root: Path
-    host_key_pub: str
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(self.root / "sshd_config")],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "sshd.log", "ab"))
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"sshd {self.name} did not listen: {(self.root / 'sshd.log').read_text()}")
-
-    def kill(self) -> None:
-        """The host drops: the daemon, its connections and everything they started die."""
-        doomed = _descendants(self.proc.pid) + [self.proc.pid]
-        for pid in doomed:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-@dataclass
-class Loopback:
-    servers: list[SSHServer]
-    client_key: Path
-    known_hosts: Path
-    root: Path
-
-    def host(self, server: SSHServer, **extra) -> Host:
-        return Host(name=server.name, address="127.0.0.1", port=server.port, user=getpass.getuser(),
-                    key_file=self.client_key, known_hosts=self.known_hosts, python=sys.executable,
-                    workdir=str(self.root / f"work-{server.name}"), usd_per_gpu_hour=1.0, **extra)
+pytestmark = needs_sshd
 
 
 @pytest.fixture(scope="module")
 def loopback(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ssh")
-    client_key = root / "client_key"
-    authorized = root / "authorized_keys"
-    authorized.write_text(_keygen(client_key) + "\n")
-    Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
-    servers = []
-    for name in ("loop-a", "loop-b"):
-        d = root / name
-        d.mkdir()
-        port = _free_port()
-        pub = _keygen(d / "host_key")
-        (d / "sshd_config").write_text("\n".join([
-            f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host_key'}",
-            f"AuthorizedKeysFile {authorized}", "StrictModes no", "UsePAM no", f"PidFile {d / 'sshd.pid'}",
-            "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
-            "PermitRootLogin prohibit-password", "Subsystem sftp internal-sftp", "LogLevel ERROR", ""]))
-        servers.append(SSHServer(name, port, d, pub))
-    known = root / "known_hosts"
-    known.write_text("".join(f"[127.0.0.1]:{s.port} {' '.join(s.host_key_pub.split()[:2])}\n" for s in servers))
-    for s in servers:
-        s.start()
-    yield Loopback(servers, client_key, known, root)
-    for s in servers:
-        if s.proc and s.proc.poll() is None:
-            s.kill()
+    with loopback_hosts(tmp_path_factory.mktemp("ssh"), ("loop-a", "loop-b")) as hosts:
+        yield hosts
 
 
 def test_a_host_key_that_does_not_match_known_hosts_is_refused(loopback, tmp_path):
@@ -175,7 +74,7 @@ def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, 
     a = loopback.servers[0]
     pool_file = tmp_path / "pool.yaml"
     hosts = [loopback.host(a).model_dump(mode="json"),
-             loopback.host(a).model_copy(update={"name": "gone", "port": _free_port()}).model_dump(mode="json")]
+             loopback.host(a).model_copy(update={"name": "gone", "port": free_port()}).model_dump(mode="json")]
     import yaml
     pool_file.write_text(yaml.safe_dump({"hosts": hosts}))
     assert main(["pool", "check", "--pool", str(pool_file), "--stage-timeout", "120"]) == 1
@@ -184,6 +83,10 @@ def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, 
     row_a = next(line for line in out if line.startswith("loop-a"))
     row_gone = next(line for line in out if line.startswith("gone"))
     assert " ok " in row_a and "none (CPU)" in row_a and "ok (compile" in row_a
+    # what the serve stage needs of the host's python, reported beside torch and triton
+    from importlib.metadata import version
+    assert out[0].split()[8:10] == ["transformers", "aiperf"]
+    assert f" {version('transformers')} " in row_a and f" {version('aiperf')} " in row_a
     assert "unreachable: cannot connect" in row_gone
 
 

@@ -1,8 +1,11 @@
 """The end-to-end stage on the tiny dense checkpoint, on the CPU: two replicas of the real engine
 server against two of the real HF transformers reference server, each pair behind the load
-balancer, under real AIPerf load; one replica of two streaming a fixed token rejected by the
-accuracy gate; a server dying mid-run is a crash with its log kept, and the flow goes on. The
-gates' rules themselves on hand-made completions and metrics."""
+balancer, under real AIPerf load, on a pool host reached over SSH (an sshd on loopback); one
+replica of two streaming a fixed token rejected by the accuracy gate, on this machine's slot and
+on the pool host (where the controller judges every replica); a server dying mid-run is a crash
+with its log kept, and the flow goes on. A host without the model directory is one line; a
+session the controller gives up on leaves no server behind; a pool host's GPUs go one to each
+replica. The gates' rules themselves on hand-made completions and metrics."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +14,12 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
+from loopback_sshd import SSHD, loopback_hosts
 from tiny_checkpoints import checkpoint
 
 from flows.cli import main
@@ -46,6 +52,19 @@ def served_per_backend(balancer_log: str) -> list[int]:
     return [int(n) for n in re.findall(r"backend \d+ \(\S+\): (\d+) requests", balancer_log)]
 
 
+@pytest.fixture(scope="module")
+def pool_host(tmp_path_factory):
+    """One pool host over real SSH on loopback: its sessions run the servers and AIPerf "there"."""
+    if not SSHD.exists():
+        pytest.skip("needs an OpenSSH server at /usr/sbin/sshd (.ci/run installs openssh-server)")
+    root = tmp_path_factory.mktemp("serve-ssh")
+    with loopback_hosts(root, ("serve-host",)) as loop:
+        host = loop.host(loop.servers[0])
+        pool_file = root / "pool.yaml"
+        pool_file.write_text(yaml.safe_dump({"hosts": [host.model_dump(mode="json")]}))
+        yield host, pool_file
+
+
 def bench(serving_file, *extra) -> tuple[int, str]:
     # stdout only: Prefect's log handler keeps the stderr it first saw, so no capsys here
     with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -60,11 +79,13 @@ def child_runs(tracker_client, parent_id):
     return sorted(runs, key=lambda r: r.info.start_time)
 
 
-def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server, tracking_home, serving_file):
+def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(prefect_server, tracking_home,
+                                                                               serving_file, pool_host):
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
 
-    code, out = bench(serving_file, "--json")
+    host, pool_file = pool_host
+    code, out = bench(serving_file, "--json", "--pool", str(pool_file))
     result = json.loads(out)
     gates = {g["name"]: g for g in result["gates"]}
     assert gates["accuracy"]["passed"], gates["accuracy"]["detail"]
@@ -87,22 +108,36 @@ def test_engine_vs_reference_under_aiperf_with_metrics_in_mlflow(prefect_server,
     assert json.loads(Path(exported).read_text())["request_count"]["avg"] == 6
     parent = client.get_run(result["parent_run_id"]).data.metrics
     assert parent["baseline/chat-short/output_tps"] == rows["output_tps"]["baseline"]
-    # both sides two replicas behind a balancer that spread AIPerf's 7 requests over both
+    # The sessions ran on the host, and what they wrote came back: the worker's log, AIPerf's exports.
+    assert run.data.tags["infersmith.host"] == "serve-host"
+    worker_log = Path(client.download_artifacts(run.info.run_id, "serve/worker.log")).read_text()
+    assert "Traceback" not in worker_log
+    baseline = Path(client.download_artifacts(result["parent_run_id"], "baseline"))
+    assert (baseline / "aiperf" / "chat-short" / "profile_export_aiperf.json").is_file()
+    # Both sides two replicas behind a balancer on the host that spread AIPerf's 7 requests over
+    # both; the controller judged each replica (the host's own gate only says it asked).
     assert "replica 0: " in gates["accuracy"]["detail"] and "replica 1: " in gates["accuracy"]["detail"]
     for run_id, folder in ((run.info.run_id, "serve"), (result["parent_run_id"], "baseline")):
         logs = Path(client.download_artifacts(run_id, folder))
         assert "serving infersmith-e2e" in (logs / "server-1.log").read_text()
         served = served_per_backend((logs / "balancer.log").read_text())
         assert len(served) == 2 and min(served) > 0 and sum(served) == 7, (folder, served)
+    # The reference's answers and the held-out prompts stayed in memory, and the host keeps no session.
+    assert not list(baseline.rglob("answers.json")) and not list(baseline.rglob("job.json"))
+    assert list((Path(host.workdir) / "runs").iterdir()) == []
 
 
+@pytest.mark.parametrize("where", ["this machine", "pool host"])
 def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(prefect_server, tracking_home,
-                                                                              serving_file):
+                                                                              serving_file, request, where):
     # Replica 0 the engine, replica 1 the fixed-token server. A baseline command other than the
-    # reference is measured only for a candidate worth comparing.
+    # reference is measured only for a candidate worth comparing. On the pool host the detail is
+    # the controller's: the host's gate only says it was judged there.
+    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
     fake = f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}}"
     either = f"sh -c 'if [ {{replica}} = 1 ]; then exec {fake}; else exec {ENGINE}; fi'"
-    code, out = bench(serving_file, "--candidate", either, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+    code, out = bench(serving_file, "--candidate", either, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'",
+                      *pool)
     assert code == 1
     assert "accuracy: FAILED  replica 1: prompt 0 (shown), token 0: greedy token 17" in out
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
@@ -193,3 +228,115 @@ def test_replicas_no_host_can_run_are_one_line(capsys, tmp_path, replicas, messa
     assert main(["serve-bench", "--model-dir", model_dir, "--model", "tiny", "--pool",
                  str(tmp_path / "pool.yaml"), "--serving", str(tmp_path / "serving.json")]) == 2
     assert capsys.readouterr().err.strip() == f"infersmith: {message}"
+
+
+def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tmp_path):
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import ServeSetupError, SSHServe
+
+    host, pool_file = pool_host
+    # Before the run: the host is asked, and no flow starts.
+    assert main(["serve-bench", "--model-dir", "/no/such/dir", "--model", "tiny", "--pool", str(pool_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "infersmith: host serve-host: no model directory /no/such/dir (it must be there: " \
+                          "checkpoints are not shipped)"
+    # In a session (a host that lost it since): the run's error, as one line.
+    slot = Pool(hosts=[host]).slots()[0]
+    with pytest.raises(ServeSetupError, match=r"^host serve-host: no model directory /no/such/dir \(") as e:
+        SSHServe([slot]).baseline(job_for(Target(model="tiny"), Path("/no/such/dir"), [slot]), tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_host, tmp_path):
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import SSHServe
+    from harness.serve.server import ServerError
+
+    host, _ = pool_host
+    slot = Pool(hosts=[host]).slots()[0]
+    token = f"never-ready-{tmp_path.name}"  # names the hanging servers' processes
+    hang = f"{sys.executable} -c \"print('warming up', flush=True); import time; time.sleep(300)\" {token}"
+    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120,
+                                                                           "replicas": 2}})
+    model_dir = tmp_path / "model"  # what a baseline session reads of it: that it is there
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+    out = tmp_path / "out"
+    with pytest.raises(ServerError, match="ran past its 5 s limit and was killed"):
+        SSHServe([slot], limit_s=5).baseline(job_for(target, model_dir, [slot]), out)
+    for replica in (0, 1):  # what they wrote came back
+        assert "warming up" in (out / f"server-{replica}.log").read_text()
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
+    assert left == [], "a baseline replica outlived its session"
+    assert list((Path(host.workdir) / "runs").iterdir()) == []
+
+
+def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
+    """The host's sshd dies while its baseline server starts: a HostFault (which the dispatch benches
+    and retries elsewhere), not a hang nor a verdict on anyone's server."""
+    import threading
+
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.health import HostFault
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import SSHServe
+
+    if not SSHD.exists():
+        pytest.skip("needs an OpenSSH server at /usr/sbin/sshd")
+    hang = f"{sys.executable} -c \"print('warming up', flush=True); import time; time.sleep(300)\""
+    target = Target.model_validate({"model": "tiny", "serving": SERVING | {"baseline": hang, "start_timeout_s": 120}})
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+    with loopback_hosts(tmp_path / "ssh", ("doomed",)) as loop:
+        host = loop.host(loop.servers[0])
+        runs = Path(host.workdir) / "runs"
+
+        def drop_once_serving():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if any((d / "out" / "server.log").exists() for d in (runs.iterdir() if runs.exists() else ())):
+                    loop.servers[0].kill()
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=drop_once_serving, daemon=True)
+        killer.start()
+        slot = Pool(hosts=[host]).slots()[0]
+        t0 = time.monotonic()
+        with pytest.raises(HostFault, match="connection"):
+            SSHServe([slot]).baseline(job_for(target, model_dir, [slot]), tmp_path / "out")
+        killer.join(timeout=1)
+        assert loop.servers[0].proc.poll() is not None and time.monotonic() - t0 < 60
+
+
+def test_a_pool_hosts_gpus_go_one_to_each_replica_there():
+    """The job of a leased group on a GPU host: each replica its own GPU of the group, the host's
+    python, the model directory as a path there; and it crosses the wire to the host intact."""
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Host, Pool
+    from harness.serve.remote import job_from_dict, job_to_dict
+
+    host = Host(name="h200-a", address="10.0.0.5", gpus=[2, 5, 7], gpu_class="h200", python="/opt/venv/bin/python")
+    group = Pool(hosts=[host]).slots()[1:]  # GPUs 5 and 7, as a lease of two might hold them
+    job = job_for(Target.model_validate({"model": "tiny", "serving": SERVING | {"replicas": 2}}),
+                  Path("/data/tiny"), group)
+    assert job.device == "cuda" and [e["CUDA_VISIBLE_DEVICES"] for e in job.replica_envs] == ["5", "7"]
+    assert job.python == "/opt/venv/bin/python" and job.model_dir == Path("/data/tiny")
+    assert "PYTHONPATH" not in job.env  # the host's worker sets its bundle's, which the servers inherit
+    assert job_from_dict(json.loads(json.dumps(job_to_dict(job)))) == job
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

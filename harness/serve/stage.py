@@ -31,6 +31,29 @@ class Reference:
     prompts: list[list[int]]
     completions: list[Completion]
 
+    def judge(self, replicas: list[list[Completion]], rules) -> tuple[bool, str, dict]:
+        """The accuracy gate on every replica's completions. A method so that a pool host, which
+        must never hold the reference's answers, can ask the controller instead (harness/serve/remote.py)."""
+        return judge_replicas(replicas, self.completions, rules)
+
+
+def judge_replicas(replicas: list[list[Completion]], expected: list[Completion], rules) -> tuple[bool, str, dict]:
+    """judge() on each replica's completions: the first wrong one fails the gate, named when there
+    are several; the metrics are the worst replica's difference and the sums of the rest."""
+    several = len(replicas) > 1
+    details, worst, compared, ties = [], 0.0, 0, 0
+    for k, got in enumerate(replicas):
+        which = f"replica {k}: " if several else ""
+        passed, detail, metrics = judge(got, expected, rules)
+        if not passed:
+            return False, which + detail, {}
+        details.append(which + detail)
+        worst = max(worst, metrics["accuracy/max_logprob_diff"])
+        compared += metrics["accuracy/tokens_compared"]
+        ties += metrics["accuracy/near_ties"]
+    return True, "; ".join(details), {"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
+                                      "accuracy/near_ties": ties}
+
 
 @dataclass
 class Served:
@@ -140,37 +163,29 @@ def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
 
 def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served) -> None:
     """Every replica answers every prompt, straight (not through the balancer, which would spread
-    them), all at once: a replica that is wrong fails the gate like a lone server."""
+    them), all at once; the reference judges them all: a replica that is wrong fails the gate
+    like a lone server."""
     def answers(replica: ServerProcess) -> list[Completion]:
         return [complete(replica.url, SERVED_NAME, p, job.accuracy.max_tokens, 0) for p in reference.prompts]
 
     with ThreadPoolExecutor(len(server.servers)) as pool:
         pending = [pool.submit(answers, replica) for replica in server.servers]
     several = len(server.servers) > 1
-    details, worst, compared, ties = [], 0.0, 0, 0
-    for k, got in enumerate(pending):
-        which = f"replica {k}: " if several else ""
+    got = []
+    for k, replica in enumerate(pending):
         try:
-            got = got.result()
+            got.append(replica.result())
         except READ_ERRORS as e:
             death = server.death("answering the accuracy prompts")
             if death:
                 result.verdict.crash("server_died", death)
             else:
-                result.verdict.gate("accuracy", False, f"{which}no usable greedy completion with logprobs: "
-                                                       f"{type(e).__name__}: {e}")
+                result.verdict.gate("accuracy", False, f"{f'replica {k}: ' if several else ''}no usable greedy "
+                                                       f"completion with logprobs: {type(e).__name__}: {e}")
             return
-        passed, detail, metrics = judge(got, reference.completions, job.accuracy)
-        if not passed:
-            result.verdict.gate("accuracy", False, which + detail)
-            return
-        details.append(which + detail)
-        worst = max(worst, metrics["accuracy/max_logprob_diff"])
-        compared += metrics["accuracy/tokens_compared"]
-        ties += metrics["accuracy/near_ties"]
-    result.metrics.update({"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
-                           "accuracy/near_ties": ties})
-    result.verdict.gate("accuracy", True, "; ".join(details))
+    passed, detail, metrics = reference.judge(got, job.accuracy)
+    result.metrics.update(metrics)
+    result.verdict.gate("accuracy", passed, detail)
 
 
 def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: float) -> None:

@@ -1,0 +1,287 @@
+"""The serve stage on a pool host over SSH: one session (reference, baseline or candidate) runs
+`python -m harness.serve run` there, where its servers (every replica, and their load balancer)
+start and AIPerf loads them, and its artifacts come back here to be judged and logged
+(harness/serve/remote.py is the other side).
+
+Remote layout under the host's workdir: `bundles/<digest>/` (shared with the op stages) and
+`runs/serve-<kind>-<nonce>/`, removed after the session whatever its end. The model directory is
+a path on the host; checkpoints are never shipped.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import shlex
+import stat
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import paramiko
+
+from gpu_pool.health import HostFault
+from gpu_pool.pool import Host, Slot
+from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
+from harness.serve.aiperf import AIPerfError, PatternRun
+from harness.serve.job import EngineCandidate, ServeJob
+from harness.serve.remote import MARKER_VAR, completion_from_dict, job_to_dict, runs_from_dict
+from harness.serve.server import BALANCER_START_S, ServerError
+from harness.serve.stage import Reference, Served
+from harness.verdict import FAIL, PASS, Verdict
+
+POLL_S = 0.2
+ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit
+STOP_S = 60.0  # stopping one server or balancer (SIGTERM, then SIGKILL after 30 s), and the session's own start
+log = logging.getLogger("infersmith.pool")
+Decide = Callable[[list[list[dict]]], bool]  # every replica's completions, as sent: whether to load
+
+
+class ServeSetupError(Exception):
+    """The host cannot serve this model: its directory or aiperf is missing there. One line."""
+
+
+def session_limit_s(job: ServeJob) -> float:
+    """When the controller gives up on a session: a bound on every wait inside it, so that only a
+    session that hangs outside them (or a host that stopped answering) reaches it."""
+    replicas = len(job.devices)
+    processes = replicas + (replicas > 1)  # a balancer in front of several, started after them
+    return (job.start_timeout_s + (BALANCER_START_S if replicas > 1 else 0.0) + ACCURACY_S
+            + len(job.patterns) * job.pattern_timeout_s + (processes + 1) * STOP_S)
+
+
+class SSHServe:
+    """The serve stage's sessions on a leased group of a pool host's slots (leases.lease_group):
+    one session runs every replica, each on its GPU of the group as job.devices says."""
+
+    def __init__(self, group: list[Slot], limit_s: float | None = None):
+        self.group, self.limit_s = group, limit_s
+        self.slot = group[0]  # the host, and the worker's own environment
+        self.label = ",".join(s.label for s in group)
+
+    def reference(self, job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
+        """The reference's answers (the held-out prompts drawn there from rng's seed, which, like
+        the answers, leaves the host with this session) and the baseline's runs when it is the baseline."""
+        result, answers = self._session("reference", job, out, {"seed": rng.getrandbits(64)}, secret="answers.json")
+        _raise_error(result, self.slot.host, self.label, "reference")
+        if answers is None:
+            raise ServerError(f"the reference session on {self.label} ended without its answers")
+        reference = Reference(answers["prompts"], [completion_from_dict(c) for c in answers["completions"]])
+        return reference, None if result["runs"] is None else runs_from_dict(result["runs"], out)
+
+    def baseline(self, job: ServeJob, out: Path) -> dict[str, PatternRun]:
+        result, _ = self._session("baseline", job, out, {})
+        _raise_error(result, self.slot.host, self.label, "baseline")
+        return runs_from_dict(result["runs"], out)
+
+    def candidate(self, job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
+                  command: str | None = None) -> Served:
+        judged: list[tuple[bool, str, dict]] = []
+
+        def decide(replicas: list[list[dict]]) -> bool:
+            """Every replica's completions, judged here against the answers only this side holds."""
+            answers = [[completion_from_dict(c) for c in got] for got in replicas]
+            judged.append(reference.judge(answers, job.accuracy))
+            return judged[0][0]
+
+        sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}
+        t0 = time.monotonic()
+        result, _ = self._session("candidate", job, out, {"candidate": cand.to_dict(), "command": command,
+                                                          "prompts": reference.prompts, "sources": sources}, decide)
+        if "verdict" not in result:
+            _raise_error(result, self.slot.host, self.label, "candidate", verdict_instead=True)
+            verdict = Verdict(op="engine", candidate_id=cand.id, stages=["serve"], log_tail=_tail(out / "worker.log"))
+            verdict.crash("serve_session", f"the serve session on {self.label} {_how(result)}; what it left "
+                                           "is kept (worker.log and the servers' logs)")
+            verdict.wall_s = time.monotonic() - t0
+            return Served(verdict)
+        served = Served(Verdict.from_dict(result["verdict"]), runs_from_dict(result["runs"], out), result["metrics"])
+        served.verdict.candidate_id = cand.id
+        _own_accuracy(served.verdict, served.metrics, judged[0] if judged else None)
+        return served
+
+    # -- one session ------------------------------------------------------------------
+    def _limit(self, job: ServeJob) -> float:
+        return self.limit_s if self.limit_s is not None else session_limit_s(job)
+
+    def _session(self, kind: str, job: ServeJob, out: Path, payload: dict, decide: Decide | None = None,
+                 secret: str | None = None) -> tuple[dict, dict | None]:
+        """(result.json, or {"timed_out": s} or {"died": why}; the secret file's JSON) of one session."""
+        host, q = self.slot.host, shlex.quote
+        client = connect(host)
+        try:
+            workdir = workdir_of(client, host)
+            bundle_dir, _ = ensure_bundle(client, host, workdir)
+            marker = uuid.uuid4().hex
+            run_dir = f"{workdir}/runs/serve-{kind}-{marker[:12]}"
+            run_command(client, host, f"mkdir -p {q(run_dir)}/out {q(run_dir)}/exchange")
+            spec = {"kind": kind, "job": job_to_dict(job), **payload}
+            try:
+                with client.open_sftp() as sftp:
+                    sftp.putfo(io.BytesIO(json.dumps(spec).encode()), f"{run_dir}/job.json")
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise HostFault(host, f"connection lost sending the serve job: {e}") from None
+            env = " ".join(f"{k}={q(v)}" for k, v in worker_env(self.slot, bundle_dir).items())
+            killer = f"env {env} {host.python} -m harness.serve kill {marker}"
+            limit = self._limit(job)
+            # The host ends the session on its own REMOTE_GRACE_S after the controller would have
+            # (the controller may be gone), then kills what the worker started: the servers and
+            # AIPerf run in sessions of their own, so only the marker in their environment finds them.
+            inner = (f"env {env} {MARKER_VAR}={marker} timeout -s KILL {limit + REMOTE_GRACE_S:.0f} "
+                     f"{host.python} -m harness.serve run job.json . >out/worker.log 2>&1; rc=$?; {killer}; exit $rc")
+            try:
+                ended = self._wait(client, f"cd {q(run_dir)} && exec setsid -w sh -c {q(inner)}", run_dir,
+                                   limit, decide)
+            except BaseException:  # the connection dropped, the flow was cancelled, Ctrl-C
+                self._salvage(client, run_dir, out, killer)
+                raise
+            # after a timeout the servers die first; either way what the session wrote comes back
+            result, hidden = _wrap_up(client, host, run_dir, out, secret, killer=None if ended else killer)
+        finally:
+            client.close()
+        if not ended:
+            return {"timed_out": limit}, None
+        return result if result is not None else {"died": _tail(out / "worker.log", 600)}, hidden
+
+    def _salvage(self, client: paramiko.SSHClient, run_dir: str, out: Path, killer: str) -> None:
+        """Stop a session the controller gives up on and keep what it wrote, over the same connection
+        if it still stands, else a fresh one. What fails here is logged: the host ends the session
+        on its own anyway, and the fault that led here is the one raised."""
+        fresh = None
+        try:
+            transport = client.get_transport()
+            if transport is None or not transport.is_active():
+                client = fresh = connect(self.slot.host)
+            _wrap_up(client, self.slot.host, run_dir, out, None, killer)
+        except HostFault as fault:
+            log.warning("%s: could not stop the serve session %s (the host ends it within %.0f s of its "
+                        "limit): %s", self.label, run_dir, REMOTE_GRACE_S, fault.reason)
+        finally:
+            if fresh is not None:
+                fresh.close()
+
+    def _wait(self, client: paramiko.SSHClient, command: str, run_dir: str, limit_s: float,
+              decide: Decide | None) -> bool:
+        """True when the session ended on its own, False when it ran past limit_s; a HostFault
+        when the connection went. Meanwhile answers the accuracy handshake, if any."""
+        host = self.slot.host
+        transport = client.get_transport()
+        deadline = time.monotonic() + limit_s
+        try:
+            chan = transport.open_session()
+            chan.exec_command(command)
+            sftp = client.open_sftp()
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostFault(host, f"connection lost starting the serve session: {e}") from None
+        try:
+            while not chan.exit_status_ready():
+                if not transport.is_active():
+                    break
+                if time.monotonic() > deadline:
+                    return False
+                if decide is not None and _answer(sftp, run_dir, decide):
+                    decide = None
+                chan.status_event.wait(POLL_S)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostFault(host, f"connection lost during the serve session: {e}") from None
+        finally:
+            sftp.close()
+        if not chan.exit_status_ready() or chan.recv_exit_status() == -1:
+            raise HostFault(host, "connection dropped while the serve session ran")
+        return True
+
+
+def _answer(sftp: paramiko.SFTPClient, run_dir: str, decide: Decide) -> bool:
+    """Judges the candidate's completions (every replica's) once they are there; whether it did."""
+    try:
+        with sftp.open(f"{run_dir}/exchange/completions.json") as f:
+            completions = json.loads(f.read())
+    except FileNotFoundError:
+        return False
+    body = json.dumps({"load": decide(completions)}).encode()
+    sftp.putfo(io.BytesIO(body), f"{run_dir}/exchange/.decision.tmp")
+    sftp.posix_rename(f"{run_dir}/exchange/.decision.tmp", f"{run_dir}/exchange/decision.json")
+    return True
+
+
+def _wrap_up(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path, secret: str | None,
+             killer: str | None) -> tuple[dict | None, dict | None]:
+    """The session's end on the host: its processes killed (when `killer` is given), out/ copied
+    into `out`, result.json and the secret file read into memory only, the run folder removed."""
+    if killer:
+        run_command(client, host, killer, 30)
+    found = _collect(client, host, run_dir, out, secret)
+    run_command(client, host, f"rm -rf {shlex.quote(run_dir)}")
+    return found
+
+
+def _collect(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path,
+             secret: str | None) -> tuple[dict | None, dict | None]:
+    def fetch(remote: str, local: Path) -> None:
+        local.mkdir(parents=True, exist_ok=True)
+        for entry in sftp.listdir_attr(remote):
+            if stat.S_ISDIR(entry.st_mode):
+                fetch(f"{remote}/{entry.filename}", local / entry.filename)
+            elif stat.S_ISREG(entry.st_mode):  # a link a candidate planted is not followed
+                sftp.get(f"{remote}/{entry.filename}", str(local / entry.filename))
+
+    def read(name: str) -> dict | None:
+        try:
+            with sftp.open(f"{run_dir}/{name}") as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    try:
+        with client.open_sftp() as sftp:
+            fetch(f"{run_dir}/out", out)
+            return read("result.json"), (read(secret) if secret else None)
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        raise HostFault(host, f"connection lost fetching the serve session's results: {e}") from None
+
+
+def _how(result: dict) -> str:
+    if "timed_out" in result:
+        return f"ran past its {result['timed_out']:g} s limit and was killed"
+    lines = result.get("died", "").strip().splitlines()
+    return f"died without a result; last log line: {lines[-1] if lines else '(none)'}"
+
+
+def _raise_error(result: dict, host: Host, label: str, kind: str, verdict_instead: bool = False) -> None:
+    """The session's failure as the error the same failure raises on this machine. A candidate
+    session that hung or died is the candidate's crash (verdict_instead); a missing model or aiperf
+    is the run's error whoever runs."""
+    if "setup_error" in result:
+        raise ServeSetupError(f"host {host.name}: {result['setup_error']}")
+    if "error" in result:
+        raise {"AIPerfError": AIPerfError}.get(result["error"]["type"], ServerError)(
+            f"on {label}: {result['error']['message']}")
+    if ("timed_out" in result or "died" in result) and not verdict_instead:
+        raise ServerError(f"the {kind} session on {label} {_how(result)}")
+
+
+def _own_accuracy(verdict: Verdict, metrics: dict, judged: tuple[bool, str, dict] | None) -> None:
+    """The accuracy gate as the controller judged it: the host only learnt whether to load, and
+    anything on the host could have written that answer, so the host's gate is not taken on trust."""
+    gate = next((g for g in verdict.gates if g.name == "accuracy"), None)
+    if gate is None:
+        if verdict.status == PASS:
+            verdict.crash("protocol", "the session passed without the candidate's completions being judged")
+        return
+    if judged is None:
+        if gate.passed:
+            gate.passed, gate.detail = False, "the candidate's completions never reached the controller"
+    elif not judged[0] or gate.passed:  # else the host gave up waiting for the decision: its gate says so
+        gate.passed, gate.detail = judged[0], judged[1]
+        metrics.update(judged[2])
+    if not gate.passed and verdict.status == PASS:
+        verdict.status = FAIL
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""

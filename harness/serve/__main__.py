@@ -1,0 +1,32 @@
+"""`python -m harness.serve check|run|kill`: the serve stage's worker side on a pool host
+(harness/serve/remote.py says what each does)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.serve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("check").add_argument("model_dir", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("job", type=Path)
+    r.add_argument("run_dir", type=Path)
+    sub.add_parser("kill").add_argument("marker")
+    args = parser.parse_args(argv)
+
+    from harness.serve import remote
+
+    if args.command == "check":
+        lines = remote.problems(args.model_dir)
+        print("\n".join(lines))
+        return 1 if lines else 0
+    if args.command == "run":
+        return remote.run(args.job, args.run_dir.resolve())
+    return remote.kill(args.marker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The serve stage's worker side on a pool host: the servers start and AIPerf loads them on the
+host itself (they bind loopback there, and a load generator across the network would measure
+the network). The controller (gpu_pool/ssh_serve.py) ships a session's job, runs it here, and
+fetches `out/` and `result.json` back.
+
+    python -m harness.serve check MODEL_DIR      what this host lacks to serve MODEL_DIR, one line each
+    python -m harness.serve run JOB.json RUN_DIR  one session: reference, baseline or candidate
+    python -m harness.serve kill MARKER           every process of a session, whatever its group
+
+RUN_DIR: `out/` (the artifacts, fetched and logged: server.log, or server-<i>.log and balancer.log
+with several replicas; kernels; AIPerf exports), `exchange/` (the accuracy handshake, every
+replica's completions at once), `result.json`, and for the reference `answers.json`, which
+the controller reads into memory and never stores. The whole folder is removed after the session.
+
+Trust: a candidate server runs here as the same user, so nothing it could read may tell it the
+expected answers. The reference's answers leave with the controller before any candidate starts;
+a candidate session gets the prompts only (the held-out ones are unavoidably sent) and hands its
+completions to the controller, which judges them and answers only whether to go on to the load.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from harness.serve import aiperf
+from harness.serve.accuracy import Completion
+from harness.serve.job import AccuracyRules, EngineCandidate, Pattern, ServeJob
+from harness.serve.server import ServerError
+from harness.serve.stage import Reference, measure_baseline, reference_answers, serve
+
+MARKER_VAR = "INFERSMITH_SERVE_SESSION"  # inherited by every process a session starts: how `kill` finds them
+DECISION_WAIT_S = 120.0  # the controller answers within a poll; longer means it is gone
+
+
+# -- what crosses the wire ------------------------------------------------------
+def job_to_dict(job: ServeJob) -> dict:
+    return asdict(job) | {"model_dir": str(job.model_dir)}
+
+
+def job_from_dict(d: dict) -> ServeJob:
+    return ServeJob(**d | {"model_dir": Path(d["model_dir"]), "devices": tuple(d["devices"]),
+                           "patterns": tuple(Pattern(**p) for p in d["patterns"]),
+                           "accuracy": AccuracyRules(**d["accuracy"] | {"prompts": tuple(d["accuracy"]["prompts"])})})
+
+
+def completion_to_dict(c: Completion) -> dict:
+    # the alternatives as pairs: JSON would turn their token-id keys into strings
+    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "top": [list(alts.items()) for alts in c.top]}
+
+
+def completion_from_dict(d: dict) -> Completion:
+    return Completion(d["token_ids"], d["logprobs"], [{int(t): lp for t, lp in alts} for alts in d["top"]])
+
+
+def runs_to_dict(runs: dict[str, aiperf.PatternRun] | None, out: Path) -> dict | None:
+    return None if runs is None else {name: {"metrics": r.metrics, "errors": r.errors,
+                                             "dir": str(r.out_dir.relative_to(out))} for name, r in runs.items()}
+
+
+def runs_from_dict(d: dict, out: Path) -> dict[str, aiperf.PatternRun]:
+    """The runs with their folders under `out`: where the controller fetched them to."""
+    return {name: aiperf.PatternRun(name, r["metrics"], r["errors"], out / r["dir"]) for name, r in d.items()}
+
+
+# -- the host's readiness -----------------------------------------------------------
+def problems(model_dir: Path) -> list[str]:
+    """What this host lacks to serve model_dir; each a line a person can act on."""
+    out = []
+    missing = [f for f in ("config.json", "tokenizer.json") if not (model_dir / f).is_file()]
+    if not model_dir.is_dir():
+        out.append(f"no model directory {model_dir} (it must be there: checkpoints are not shipped)")
+    elif missing:
+        out.append(f"{model_dir} has no {' and '.join(missing)}: not a model directory")
+    try:
+        aiperf.aiperf_command()
+    except aiperf.AIPerfError:
+        out.append(f"no aiperf beside {sys.executable} or on PATH (pip install aiperf into that environment)")
+    lacking = [m for m in ("torch", "transformers", "aiohttp") if importlib.util.find_spec(m) is None]
+    if lacking:
+        out.append(f"{sys.executable} cannot import {', '.join(lacking)}")
+    return out
+
+
+# -- sessions -------------------------------------------------------------------------
+class ControllerJudged(Reference):
+    """The reference as a candidate's host sees it: prompts, no answers. Every replica's completions
+    go to the controller, which alone holds the reference's answers and judges each replica; its
+    reply says only whether to load."""
+
+    def __init__(self, prompts: list[list[int]], exchange: Path):
+        super().__init__(prompts, [])
+        self.exchange = exchange
+        exchange.mkdir(parents=True, exist_ok=True)
+
+    def judge(self, replicas: list[list[Completion]], rules: AccuracyRules) -> tuple[bool, str, dict]:
+        write_atomic(self.exchange / "completions.json", [[completion_to_dict(c) for c in got] for got in replicas])
+        decision, deadline = self.exchange / "decision.json", time.monotonic() + DECISION_WAIT_S
+        while not decision.is_file():
+            if time.monotonic() > deadline:
+                return False, f"the controller sent no accuracy decision within {DECISION_WAIT_S:g} s", {}
+            time.sleep(0.1)
+        # the gate's detail and metrics are the controller's: it replaces this one with its own
+        return bool(json.loads(decision.read_text())["load"]), "judged on the controller", {}
+
+
+def reference_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> dict:
+    reference, runs = reference_answers(job, out, random.Random(spec["seed"]))
+    write_atomic(run_dir / "answers.json", {"prompts": reference.prompts,
+                                            "completions": [completion_to_dict(c) for c in reference.completions]})
+    return {"runs": runs_to_dict(runs, out)}
+
+
+def baseline_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> dict:
+    return {"runs": runs_to_dict(measure_baseline(job, out), out)}
+
+
+def candidate_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> dict:
+    cand = EngineCandidate.from_dict(spec["candidate"])
+    kernels = dict(cand.kernels)
+    for op, source in spec.get("sources", {}).items():  # free kernels: their files are the controller's
+        path = out / "kernels" / f"{op}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+        kernels[op] = kernels[op] | {"path": str(path)}
+    cand = EngineCandidate.from_dict(cand.to_dict() | {"kernels": kernels})
+    served = serve(job, cand, ControllerJudged(spec["prompts"], run_dir / "exchange"), out, spec.get("command"))
+    return {"verdict": json.loads(served.verdict.to_json()), "runs": runs_to_dict(served.runs, out),
+            "metrics": served.metrics}
+
+
+SESSIONS = {"reference": reference_session, "baseline": baseline_session, "candidate": candidate_session}
+
+
+def run(job_path: Path, run_dir: Path) -> int:
+    spec = json.loads(job_path.read_text())
+    job = job_from_dict(spec["job"])
+    out = run_dir / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    missing = problems(job.model_dir)
+    if missing:
+        result = {"setup_error": "; ".join(missing)}
+    else:
+        try:
+            result = SESSIONS[spec["kind"]](spec, job, run_dir, out)
+        except (ServerError, aiperf.AIPerfError) as e:  # the run's error, raised again on the controller
+            result = {"error": {"type": type(e).__name__, "message": str(e)}}
+    write_atomic(run_dir / "result.json", result)
+    return 0
+
+
+def kill(marker: str) -> int:
+    """SIGKILL to every process of this user whose environment carries the session's marker: the
+    servers and AIPerf run in sessions of their own, so no process group holds them all."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    for _ in range(3):  # a process may fork while the first pass reads /proc
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):  # gone meanwhile, or another user's
+                continue
+        time.sleep(0.1)
+    return 0
+
+
+def write_atomic(path: Path, data) -> None:
+    """A reader polling for the file never sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
