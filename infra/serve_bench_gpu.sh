@@ -4,9 +4,11 @@
 # GPU, under CKPT_ROOT), then `infersmith serve-bench` of the engine against the HF transformers
 # reference server under AIPerf, every pattern of the serving file.
 # Usage (repo root, wheels in .whl/ from infra/controller_wheels.sh):
-#   OUT=dir [MODELS="qwen3-8b"] [SERVING=infra/serving-h200-short.yaml] [KERNELS=file] [CKPT_ROOT=/dev/shm]
+#   OUT=dir [MODELS="qwen3-8b"] [SERVING=infra/serving-h200-short.yaml]
+#   [KERNELS=engine_templates/engine/bench/templates.json] [CKPT_ROOT=/dev/shm]
 #   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [DEVICE=cuda] bash infra/serve_bench_gpu.sh
-# SERVING= (empty) uses the preset's own traffic; DEVICE is where the random weights are drawn.
+# SERVING= (empty) uses the preset's own traffic; KERNELS= (empty) serves every op eager (the
+# default file takes each op's Triton template default); DEVICE is where the random weights are drawn.
 # CKPT_ROOT defaults to /dev/shm: qwen3-8b is 16 GB, qwen3-30b-a3b 61 GB, more than a small disk
 # holds beside the OS. Leaves serve-<model>.txt (the table and gates), serve-<model>.log and the
 # tracking store (home.tgz: MLflow SQLite with AIPerf's exports as artifacts).
@@ -15,6 +17,7 @@ out=${OUT:?set OUT to a folder for the results}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 serving=${SERVING-infra/serving-h200-short.yaml}
+kernels=${KERNELS-engine_templates/engine/bench/templates.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$out/serve.log"
 for model in ${MODELS:-qwen3-8b}; do
     dir=${CKPT_ROOT:-/dev/shm}/infersmith-$model
@@ -25,7 +28,7 @@ for model in ${MODELS:-qwen3-8b}; do
     echo "== serve-bench $model" | tee -a "$out/serve.log"
     python3 -m flows.cli serve-bench --model-dir "$dir" --model "$model" \
         ${serving:+--serving "$serving"} --stage-timeout "${STAGE_TIMEOUT:-600}" \
-        ${KERNELS:+--kernels "$KERNELS"} > "$out/serve-$model.txt" 2> "$out/serve-$model.log"
+        ${kernels:+--kernels "$kernels"} > "$out/serve-$model.txt" 2> "$out/serve-$model.log"
     echo "exit $?" | tee -a "$out/serve.log"
     cat "$out/serve-$model.txt"
     pack_home  # after every model, so that a call cut short still brings back what finished
