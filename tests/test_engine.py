@@ -75,10 +75,84 @@ def test_bf16_logprobs_within_tolerance(kind):
 def test_batched_answers_equal_single_answers_even_when_the_cache_is_short():
     single = [engine("dense").generate([p], GREEDY)[0].completion_token_ids for p in PROMPTS]
     # 40 blocks of 4 positions cannot hold all four sequences at once: decode preempts and
-    # recomputes, and each answer must still be its own.
-    small = engine("dense", num_kv_blocks=40)
-    assert [s.completion_token_ids for s in small.generate(PROMPTS, GREEDY)] == single
-    assert small.scheduler.block_manager.num_free == 40
+    # recomputes, and each answer must still be its own, with mixed steps and without.
+    for mixed in (True, False):
+        small = engine("dense", num_kv_blocks=40, mixed_steps=mixed)
+        assert [s.completion_token_ids for s in small.generate(PROMPTS, GREEDY)] == single, mixed
+        assert small.scheduler.preemptions > 0, mixed
+        assert (small.scheduler.mixed_steps_run > 0) == mixed
+        assert small.scheduler.block_manager.num_free == 40
+
+
+def _staggered(eng: LLMEngine) -> tuple[list[list[int]], int]:
+    """A short prompt that is already decoding when a long one (several chunks of a 16-token
+    budget) and a short one arrive. Returns each sequence's tokens, and how many steps ran a
+    decode (a sampled token's) and a prompt chunk together, as seen from the sequences."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = eng.add_request(PROMPTS[0], params)
+    for _ in range(3):
+        eng.step()
+    assert first.num_completion_tokens == 3  # the prompt's step, then two decode steps
+    seqs = [first, eng.add_request(PROMPTS[2], params), eng.add_request(PROMPTS[1], params)]
+    assert seqs[1].num_prompt_tokens > 3 * 16, "the long prompt needs several chunks"
+    both = 0
+    while any(not s.is_finished for s in seqs):
+        before = {s: (s.num_computed_tokens, s.num_tokens) for s in seqs if not s.is_finished}
+        eng.step()
+        ran = [(computed, tokens, s.num_prompt_tokens) for s, (computed, tokens) in before.items()
+               if s.num_computed_tokens > computed]
+        decode = any(tokens - computed == 1 and computed >= prompt for computed, tokens, prompt in ran)
+        chunk = any(tokens - computed > 1 for computed, tokens, _ in ran)
+        both += decode and chunk
+    return [s.completion_token_ids for s in seqs], both
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_mixed_steps_decode_while_a_prompt_is_chunked_and_change_no_token(kind):
+    from engine_templates.engine.oracle import HFOracle
+
+    mixed = engine(kind, max_num_batched_tokens=16)
+    tokens, both = _staggered(mixed)
+    assert both > 0 and mixed.scheduler.mixed_steps_run >= both
+    plain = engine(kind, max_num_batched_tokens=16, mixed_steps=False)
+    plain_tokens, plain_both = _staggered(plain)
+    assert plain_both == 0 and plain.scheduler.mixed_steps_run == 0
+    assert tokens == plain_tokens
+    oracle = HFOracle.from_dir(checkpoint(kind), "fp32")
+    prompts = [mixed.tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[2], PROMPTS[1])]
+    assert tokens == [oracle.greedy(p, 12) for p in prompts]
+
+
+def test_a_mixed_step_takes_decodes_first_and_preempts_a_prompt_mid_way():
+    from engine_templates.engine.oracle import HFOracle
+    from engine_templates.engine.sequence import Status
+
+    def step():  # LLMEngine.step, with the scheduled batch in view
+        seqs, is_prefill = eng.scheduler.schedule()
+        eng.postprocess(seqs, eng.runner.run(seqs, is_prefill))
+        return seqs, is_prefill
+
+    # 6 blocks of 4 positions, 3 tokens a step: the long prompt (16 tokens, 4 blocks) is
+    # admitted beside the short one and is still mid-way when the short one needs a third block.
+    eng = engine("dense", num_kv_blocks=6, max_num_batched_tokens=3, max_model_len=64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    short = eng.add_request(list(range(10, 14)), params)
+    assert step() == ([short], True) and step() == ([short], False)  # 3 prompt tokens, then 1
+    long = eng.add_request(list(range(20, 36)), params)
+    for computed in (2, 4, 6, 8):
+        assert step() == ([short, long], True)  # the decode first, then 2 of long's tokens
+        assert long.num_computed_tokens == computed and long.num_completion_tokens == 0
+    assert eng.scheduler.mixed_steps_run == 4 and eng.scheduler.block_manager.num_free == 0
+    assert short.num_tokens == 9  # its next position is in a third block: long makes room
+    assert step() == ([short], False)
+    assert eng.scheduler.preemptions == 1 and long.status is Status.WAITING
+    assert long.num_computed_tokens == 0 and long.block_table == []
+    while not long.is_finished:
+        step()
+    oracle = HFOracle.from_dir(checkpoint("dense"), "fp32")
+    for seq in (short, long):
+        assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 8)
+    assert eng.scheduler.block_manager.num_free == 6
 
 
 def test_sampling_is_seeded_per_request_and_top_k_1_is_greedy():

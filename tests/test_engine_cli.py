@@ -59,3 +59,15 @@ def test_profile_bad_input_is_one_line(capsys):
         assert "unknown presets ['nonesuch']" in err
     else:
         assert "needs a CUDA GPU" in err
+
+
+def test_no_mixed_steps_reaches_the_engine_config():
+    import argparse
+
+    from engine_templates.engine.cli import add_commands, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    base = ["serve", "--model-dir", str(checkpoint("dense"))]
+    assert engine_config(parser.parse_args(base)).mixed_steps is True
+    assert engine_config(parser.parse_args(base + ["--no-mixed-steps"])).mixed_steps is False

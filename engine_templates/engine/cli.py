@@ -107,7 +107,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="prompt tokens per prefill step; longer prompts are chunked")
+                   help="tokens per step that has a prompt chunk (a mixed step's decode tokens "
+                        "included); longer prompts are chunked")
+    p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                   help="never run decodes and prompt chunks in one step: decodes wait while any "
+                        "prompt has tokens left")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: as many as memory allows")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32,64",
@@ -134,6 +138,7 @@ def engine_config(args):
                             cuda_graph_batch_sizes=graph_sizes, block_size=args.block_size,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
+                            mixed_steps=args.mixed_steps,
                             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
                             seed=args.seed, **extra)
     except AssertionError as e:

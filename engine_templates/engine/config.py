@@ -151,7 +151,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0: from gpu_memory_utilization on a GPU, from the limits below on a CPU
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # tokens per prefill step; longer prompts are chunked
+    max_num_batched_tokens: int = 2048  # tokens per step with a prompt chunk; longer prompts are chunked
+    # Decodes and prompt chunks in one step (scheduler.py); False: decodes wait for every prompt
+    mixed_steps: bool = True
     max_model_len: int = 4096
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

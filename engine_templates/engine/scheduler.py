@@ -1,11 +1,19 @@
-"""Which sequences run next: prefill first, chunked to a token budget, then batched decode.
+"""Which sequences run next: decodes and prompt chunks, batched to a token budget.
 
-A step is either prefill (prompt tokens of one or more sequences, at most
-max_num_batched_tokens in all; a longer prompt continues in the next steps) or decode (one
-token for every running sequence). There are no mixed steps: while any prompt has tokens left,
-decodes wait. When the cache runs out of blocks during decode, the most recently admitted
-sequence is preempted by recomputation: its blocks are freed and it goes back to the front of
-the queue with every token it has, to be prefilled again.
+A sequence is decoding when exactly one of its tokens is left to compute (the last one
+sampled, or the last token of a prompt); a prompt with more left is prefilling, in chunks.
+With mixed steps (EngineConfig.mixed_steps, the default) a step takes every decoding
+sequence's one token first, then prompt chunks (prompts already admitted and mid-way, then
+waiting ones admitted in order) with what is left of max_num_batched_tokens; such a step runs
+through the prefill path, a decode token being a one-token chunk whose prefix is its whole
+cache. A step with no prompt chunk is a pure decode step (CUDA graphs on a GPU); one with no
+decode is a pure prefill step. Without mixed steps a step is either prefill (prompt chunks up
+to the budget) or decode: while any prompt has tokens left, decodes wait.
+
+When the cache runs out of blocks for a decode, the most recently admitted sequence (decoding
+or mid-prompt) is preempted by recomputation: its blocks are freed and it goes back to the
+front of the queue with every token it has, to be prefilled again. A step that preempted
+admits no waiting prompt, so a victim is never back in the step that evicted it.
 """
 from __future__ import annotations
 
@@ -20,6 +28,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.mixed_steps = config.mixed_steps
+        self.mixed_steps_run = 0  # steps that had both decodes and prompt chunks
+        self.preemptions = 0
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -43,14 +54,27 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences with num_scheduled_tokens set, is_prefill); empty when there is no work."""
-        batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        return self._schedule_decode(), False
+        """(sequences with num_scheduled_tokens set, is_prefill); empty when there is no work.
+        is_prefill: the step runs through the prefill path (prompt chunks, with or without
+        decodes); a mixed step lists its decodes first."""
+        if not self.mixed_steps:
+            batch = self._schedule_prefill(self.max_num_batched_tokens, admit=True)
+            if batch:
+                return batch, True
+            decodes, _ = self._schedule_decode()
+            return decodes, False
+        decodes, preempted = self._schedule_decode()
+        budget = self.max_num_batched_tokens - len(decodes)
+        chunks = self._schedule_prefill(budget, admit=not preempted) if budget > 0 else []
+        if not chunks:
+            return decodes, False
+        if decodes:
+            self.mixed_steps_run += 1
+        return decodes + chunks, True
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int, admit: bool) -> list[Sequence]:
+        """Prompt chunks up to `budget` tokens: admitted prompts mid-way first, then (if
+        `admit`) waiting ones, each allocated its whole prompt up front."""
         batch = []
         for seq in self.running:  # prompts already admitted, in the middle of a chunked prefill
             left = seq.num_tokens - seq.num_computed_tokens
@@ -58,7 +82,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = min(left, budget)
                 budget -= seq.num_scheduled_tokens
                 batch.append(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq, seq.num_tokens):
                 break
@@ -71,23 +95,30 @@ class Scheduler:
             batch.append(seq)
         return batch
 
-    def _schedule_decode(self) -> list[Sequence]:
-        batch = []
+    def _schedule_decode(self) -> tuple[list[Sequence], bool]:
+        """Every decoding sequence (one token left to compute) with a cache slot for it, and
+        whether making room preempted any sequence. A victim is always the last of `running`,
+        never one already taken into the batch."""
+        batch, preempted = [], False
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue  # preempted below while making room for an earlier one
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # mid-way through a chunked prompt: not decoding
             while not self.block_manager.can_allocate(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
                 self.block_manager.allocate(seq, seq.num_tokens)
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
-        return batch
+        return batch, preempted
 
     def _preempt(self, seq: Sequence) -> None:
+        self.preemptions += 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = Status.WAITING
