@@ -36,7 +36,7 @@ POLL_S = 0.2
 ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit
 STOP_S = 60.0  # stopping one server or balancer (SIGTERM, then SIGKILL after 30 s), and the session's own start
 log = logging.getLogger("infersmith.pool")
-Decide = Callable[[list[list[dict]]], bool]  # every replica's completions, as sent: whether to load
+Decide = Callable[[bytes], bool]  # every replica's completions, as the host's file holds them: whether to load
 
 
 class ServeSetupError(Exception):
@@ -80,9 +80,19 @@ class SSHServe:
                   command: str | None = None) -> Served:
         judged: list[tuple[bool, str, dict]] = []
 
-        def decide(replicas: list[list[dict]]) -> bool:
-            """Every replica's completions, judged here against the answers only this side holds."""
-            answers = [[completion_from_dict(c) for c in got] for got in replicas]
+        def decide(raw: bytes) -> bool:
+            """Every replica's completions, judged here against the answers only this side holds.
+            Anything on the host may have written the file (the candidate's servers run as the
+            same user): what does not parse, or answers for other than every replica, fails."""
+            try:
+                answers = [[completion_from_dict(c) for c in got] for got in json.loads(raw)]
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                judged.append((False, f"the completions from {self.label} do not parse ({type(e).__name__}: "
+                                      f"{str(e)[:200]})", {}))
+                return False
+            if len(answers) != len(job.devices):
+                judged.append((False, f"answers from {len(answers)} replicas, {len(job.devices)} were started", {}))
+                return False
             judged.append(reference.judge(answers, job.accuracy))
             return judged[0][0]
 
@@ -197,10 +207,10 @@ def _answer(sftp: paramiko.SFTPClient, run_dir: str, decide: Decide) -> bool:
     """Judges the candidate's completions (every replica's) once they are there; whether it did."""
     try:
         with sftp.open(f"{run_dir}/exchange/completions.json") as f:
-            completions = json.loads(f.read())
+            raw = f.read()
     except FileNotFoundError:
         return False
-    body = json.dumps({"load": decide(completions)}).encode()
+    body = json.dumps({"load": decide(raw)}).encode()
     sftp.putfo(io.BytesIO(body), f"{run_dir}/exchange/.decision.tmp")
     sftp.posix_rename(f"{run_dir}/exchange/.decision.tmp", f"{run_dir}/exchange/decision.json")
     return True

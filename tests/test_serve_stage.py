@@ -143,6 +143,17 @@ def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(pr
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
 
 
+def test_completions_planted_on_the_host_before_the_worker_writes_fail_the_gate(prefect_server, tracking_home,
+                                                                                 serving_file, pool_host):
+    # The candidate's servers run as the host's user in the session folder: one writes the file the
+    # worker hands the answers over in, claiming no answers at all, before the worker asks anything.
+    fake = f"{sys.executable} {FAKES / 'fixed_token_server.py'} {{port}} exchange/completions.json"
+    code, out = bench(serving_file, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'",
+                      "--pool", str(pool_host[1]))
+    assert code == 1 and "verdict: fail  [accuracy]" in out and "all_metrics" not in out
+    assert "accuracy: FAILED  answers from 1 replicas, 2 were started" in out or "accuracy: FAILED  0 answers to" in out, out
+
+
 def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(prefect_server, tracking_home):
     from flows.optimize_engine import optimize_engine
     from flows.target import Target
@@ -186,6 +197,17 @@ REF = [Completion([5, 6, 7], [-0.1, -0.2, -0.3], [{5: -0.1, 9: -2.0}, {6: -0.2, 
 def test_accuracy_rules(got, passed, says):
     ok, detail, _ = judge(got, REF, RULES)
     assert ok is passed and says in detail
+
+
+def test_fewer_answers_than_prompts_or_no_replica_fail_the_gate():
+    from harness.serve.stage import judge_replicas
+
+    good = [Completion([5, 6, 7], [-0.1, -0.2, -0.3], [])]
+    assert judge(good, REF, RULES)[:2] == (False, "1 answers to 2 prompts")
+    assert judge([], REF, RULES)[0] is False
+    assert judge_replicas([good * 2, []], REF, RULES)[:2] == (False, "replica 1: 0 answers to 2 prompts")
+    assert judge_replicas([], REF, RULES)[:2] == (False, "no replica's answers")
+    assert judge_replicas([good * 2], REF, RULES)[0] is True
 
 
 def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):

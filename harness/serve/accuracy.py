@@ -59,6 +59,8 @@ def judge(candidate: list[Completion], reference: list[Completion], rules: Accur
     token less than tie_nats more likely than the candidate's), after which the contexts
     differ and that prompt's comparison ends. Returns (passed, detail, metrics)."""
     worst, ties, compared = 0.0, 0, 0
+    if len(candidate) != len(reference):  # zip() below would judge only the shorter list
+        return False, f"{len(candidate)} answers to {len(reference)} prompts", {}
     for k, (c, r) in enumerate(zip(candidate, reference)):
         where = f"prompt {k} ({'held out' if k >= len(rules.prompts) else 'shown'})"
         if len(c.token_ids) != len(r.token_ids) or len(c.logprobs) != len(c.token_ids):

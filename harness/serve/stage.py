@@ -40,6 +40,8 @@ class Reference:
 def judge_replicas(replicas: list[list[Completion]], expected: list[Completion], rules) -> tuple[bool, str, dict]:
     """judge() on each replica's completions: the first wrong one fails the gate, named when there
     are several; the metrics are the worst replica's difference and the sums of the rest."""
+    if not replicas:
+        return False, "no replica's answers", {}
     several = len(replicas) > 1
     details, worst, compared, ties = [], 0.0, 0, 0
     for k, got in enumerate(replicas):

@@ -1,6 +1,9 @@
 """A fast, wrong server: every completion is the same token, claimed with certainty (logprob 0),
 streamed or whole. The accuracy gate must reject it before any load.
-Usage: python fixed_token_server.py PORT"""
+Usage: python fixed_token_server.py PORT [PLANT]
+PLANT: a file it writes at start, before anyone asks it anything: `[[]]`, one replica that
+answered nothing. On a pool host, exchange/completions.json (relative to the session folder, its
+working directory) is where the worker hands every replica's answers to the controller."""
 import json
 import sys
 
@@ -28,6 +31,10 @@ async def complete(request):
     return web.json_response({"choices": [{"index": 0, "text": "a" * n, "logprobs": logprobs, "finish_reason": "length"}],
                               "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}})
 
+
+if len(sys.argv) > 2:
+    with open(sys.argv[2], "w") as f:
+        f.write("[[]]")
 
 app = web.Application()
 app.router.add_get("/v1/models", models)
