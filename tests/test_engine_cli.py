@@ -53,21 +53,12 @@ def test_malformed_model_dir_and_kernels_file_are_one_line(capsys, tmp_path):
 def test_profile_bad_input_is_one_line(capsys):
     import torch
 
-    code, _, err = run(capsys, "engine", "profile", "--presets", "tiny,nonesuch")
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    if torch.cuda.is_available():
-        assert "unknown presets ['nonesuch']" in err
-    else:
-        assert "needs a CUDA GPU" in err
-
-
-def test_no_mixed_steps_reaches_the_engine_config():
-    import argparse
-
-    from engine_templates.engine.cli import add_commands, engine_config
-
-    parser = argparse.ArgumentParser()
-    add_commands(parser.add_subparsers())
-    base = ["serve", "--model-dir", str(checkpoint("dense"))]
-    assert engine_config(parser.parse_args(base)).mixed_steps is True
-    assert engine_config(parser.parse_args(base + ["--no-mixed-steps"])).mixed_steps is False
+    for argv, says in ((["--presets", "tiny,nonesuch"], "unknown presets ['nonesuch']"),
+                       (["--batches", "1,0"], "--batches must be comma-separated positive integers"),
+                       (["--batches", "x"], "--batches must be comma-separated positive integers"),
+                       (["--steps", "0"], "--steps must be at least 1")):
+        code, _, err = run(capsys, "engine", "profile", *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+    code, _, err = run(capsys, "engine", "profile", "--presets", "tiny")
+    if not torch.cuda.is_available():
+        assert code == 2 and "needs a CUDA GPU" in err

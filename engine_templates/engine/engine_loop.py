@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class Request:
 class EngineLoop:
     def __init__(self, engine: LLMEngine, request_log: bool = False):
         self.engine = engine
-        self.request_log = request_log  # one INFO line of timings per finished request
+        self.request_log = request_log  # one line of timings per finished request, on stderr
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[int, Request] = {}
         self._thread = threading.Thread(target=self._run, name="infersmith-engine", daemon=True)
@@ -130,8 +131,8 @@ class EngineLoop:
         delta, request.sent = text[request.sent:], len(text)
         if seq.is_finished:
             del self._active[seq.seq_id]
-            if self.request_log:
-                log.info("%s", request.timing_line(time.perf_counter()))
+            if self.request_log:  # straight to stderr: `infersmith engine serve` sets up no logging
+                print(request.timing_line(time.perf_counter()), file=sys.stderr, flush=True)
         if seq.is_finished:
             request.push(Update(delta, seq.finish_reason, seq.num_prompt_tokens, seq.num_completion_tokens,
                                 token_ids=tuple(seq.completion_token_ids), logprobs=tuple(seq.logprobs)))

@@ -84,7 +84,10 @@ class Qwen3Model:
             whole = torch.empty((sum(rows), cols), dtype=dtype, device=device)
             for name, part in zip(names, whole.split(rows)):
                 if weights is not None:
-                    part.copy_(weights[name])
+                    given = weights[name]
+                    assert given.shape == part.shape and given.dtype == dtype, \
+                        f"{name}: {tuple(given.shape)} {given.dtype}, expected {tuple(part.shape)} {dtype}"
+                    part.copy_(given)
                 self._weights[name] = part
             return whole
 

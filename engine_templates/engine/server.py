@@ -223,7 +223,7 @@ def token_logprobs(tokenizer, token_ids, logprobs, body: dict, top: list[dict] |
 
 
 def create_app(engine: LLMEngine, model_name: str, request_log: bool = False) -> web.Application:
-    """`request_log`: one INFO line per finished request with where its time went (see
+    """`request_log`: one line on stderr per finished request with where its time went (see
     engine_loop.Request.timing_line)."""
     app = web.Application(middlewares=[openai_errors])
     state = ServerState(engine, model_name, request_log)

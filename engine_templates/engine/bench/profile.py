@@ -122,9 +122,6 @@ def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], c
 
 def run(args) -> int:
     """`engine profile` (engine_templates/engine/cli.py has the options)."""
-    if not torch.cuda.is_available():
-        print("engine profile: needs a CUDA GPU (it profiles device kernels)", file=sys.stderr)
-        return 2
     presets = [s for s in args.presets.split(",") if s]
     unknown = [s for s in presets if s not in PRESETS]
     if unknown:
@@ -133,7 +130,17 @@ def run(args) -> int:
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
-        print(f"engine profile: --batches must be comma-separated integers, not {args.batches!r}", file=sys.stderr)
+        batches = []
+    if not batches or min(batches) < 1:
+        print(f"engine profile: --batches must be comma-separated positive integers, not {args.batches!r}",
+              file=sys.stderr)
+        return 2
+    for name in ("context", "steps", "top"):
+        if getattr(args, name) < 1:
+            print(f"engine profile: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available():
+        print("engine profile: needs a CUDA GPU (it profiles device kernels)", file=sys.stderr)
         return 2
     for preset in presets:  # a bad kernels file is an EngineSetupError: one line from the CLI
         profile_preset(preset, args.kernels, batches, args.context, args.steps, args.top)
