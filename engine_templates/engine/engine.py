@@ -93,11 +93,14 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
         stopped_on_token = token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos)
-        ids = seq.completion_token_ids[:-1] if stopped_on_token else seq.completion_token_ids
+        # The text before `searched` is the same as at the previous token, when no stop string
+        # was in it (or the sequence would have finished): a stop string found now ends after it.
+        searched = len(seq.decoded.text)
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(ids)
+            end = seq.num_tokens - 1 if stopped_on_token else seq.num_tokens
+            seq.text = self.tokenizer.decode_more(seq.token_ids, seq.num_prompt_tokens, end, seq.decoded)
         if p.stop:
-            hits = [(i, s) for s in p.stop if (i := seq.text.find(s)) >= 0]
+            hits = [(i, s) for s in p.stop if (i := seq.text.find(s, max(0, searched - len(s) + 1))) >= 0]
             if hits:
                 seq.text = seq.text[:min(hits)[0]]
                 return "stop"

@@ -7,6 +7,8 @@ from enum import Enum
 
 import torch
 
+from engine_templates.engine.tokenizer import DecodedPrefix
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -59,6 +61,7 @@ class Sequence:
         self.status = Status.WAITING
         self.logprobs: list[float] = []  # of each completion token under the model
         self.text = ""  # the completion, detokenized, cut at a stop string
+        self.decoded = DecodedPrefix()  # completion tokens whose text is final (Tokenizer.decode_more)
         self.finish_reason: str | None = None
         self.generator = (torch.Generator(device=device).manual_seed(params.seed)
                           if params.seed is not None else None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine_templates.engine.config import ModelDirError
@@ -37,6 +38,17 @@ class Tokenizer:
         eos = settings.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+        # A byte-level decoder (Qwen's, the random checkpoint's) turns every token into its bytes
+        # and decodes their concatenation as UTF-8, an invalid or unfinished sequence becoming
+        # U+FFFD; an added token is its own text, which cuts the bytes into runs decoded apart
+        # (tokenizers 0.23; older versions pass it through the decoder, byte for byte). No
+        # token's text depends on the tokens before it except through an unfinished UTF-8
+        # character, so text can be decoded piece by piece (decode_more). Decoders that look at
+        # neighbouring tokens (SentencePiece's leading space, WordPiece's "##", byte fallback)
+        # are decoded whole every time.
+        from tokenizers import decoders
+
+        self.incremental = isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -44,8 +56,33 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def decode_more(self, ids: list[int], start: int, end: int, done: DecodedPrefix) -> str:
+        """decode(ids[start:end]), the same string, decoding only what `done` (the text of
+        ids[start:start + done.tokens], from the previous call on this growing list) leaves,
+        and moving `done` forward to `end` where the text so far ends on a whole character.
+
+        Byte-level: decode(x + y) == decode(x) + decode(y) whenever decode(x) does not end with
+        U+FFFD, for then the bytes of x end on a whole character and UTF-8 decoding starts
+        afresh at y (an added token ends a run of bytes anyway, and a skipped special token
+        adds none). A text ending with U+FFFD may be a character still to be finished, so
+        `done` stays until a later token finishes it."""
+        assert start + done.tokens <= end, "decode_more follows one growing list"
+        if not self.incremental:
+            return self.decode(ids[start:end])
+        text = done.text + self.decode(ids[start + done.tokens:end])
+        if not text.endswith("\ufffd"):
+            done.tokens, done.text = end - start, text
+        return text
+
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return self._template.render(messages=messages, add_generation_prompt=True, **kwargs)
+
+
+@dataclass
+class DecodedPrefix:
+    """Tokens at the start of a growing list whose text is final, and that text."""
+    tokens: int = 0
+    text: str = ""
 
 
 def _compile(source: str):
