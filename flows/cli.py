@@ -334,8 +334,10 @@ def _serve_place(args, target):
     """The pool and the model directory, refused at once when no host can run the target's
     replicas. Where a slot is this machine the directory is checked here; a pool host is asked
     before the run whether it has the directory (a path there: no checkpoint is shipped), aiperf,
-    torch, transformers and aiohttp, so that a lack is one line, not a crash."""
+    torch, transformers and aiohttp, so that a lack is one line, not a crash. A baseline named by
+    engine (vllm, sglang) is asked of every host, this machine included: its python must import it."""
     from gpu_pool.check import serve_problems
+    from harness.serve.baselines import ENGINES
 
     pool = _pool(args.pool)
     slots = pool.slots(target.gpu_class)
@@ -350,8 +352,10 @@ def _serve_place(args, target):
         raise UsageError(f"--model-dir must be an absolute path on the pool hosts, not {args.model_dir}")
     else:
         model_dir = args.model_dir
-    hosts = {s.host.name: s.host for s in slots if not s.host.is_local}
-    lacks = [f"host {name}: {line}" for name, host in hosts.items() for line in serve_problems(host, model_dir)]
+    engine = target.serving.baseline in ENGINES
+    hosts = {s.host.name: s.host for s in slots if engine or not s.host.is_local}
+    lacks = [f"host {name}: {line}" for name, host in hosts.items()
+             for line in serve_problems(host, model_dir, target.serving.baseline)]
     if lacks:
         raise UsageError("; ".join(lacks))
     return pool, model_dir
@@ -430,7 +434,9 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", required=True, help="HF-format checkpoint directory the servers load "
                                                        "(with --pool: a path on the pool hosts)")
     p.add_argument("--baseline", help='the server to beat: "reference" (default: the HF transformers reference '
-                                      'server) or a command with {port}, {model_dir}, {name}')
+                                      'server), "vllm", "sglang" (that engine\'s server, which the python '
+                                      'running the servers must import), or a command with {port}, '
+                                      '{model_dir}, {name}')
     p.add_argument("--serving", help="YAML or JSON file of serving settings (traffic, accuracy, margin, baseline)")
     p.add_argument("--patterns", type=lambda t: [x for x in t.split(",") if x],
                    help="only these traffic patterns, comma-separated")

@@ -124,8 +124,10 @@ class Serving(BaseModel):
     traffic: list[TrafficPattern] = Field(default_factory=lambda: list(DEFAULT_TRAFFIC), min_length=1)
     accuracy: Accuracy = Field(default_factory=Accuracy)
     margin: NonNegativeFloat = Field(0.02, description="every metric must beat the baseline's by this fraction")
-    baseline: str = Field("reference", description='"reference" (the HF transformers reference server) or a '
-                          'command starting an OpenAI-compatible server, with {port}, {model_dir}, {name}')
+    baseline: str = Field("reference", description='"reference" (the HF transformers reference server), '
+                          '"vllm" or "sglang" (that engine\'s OpenAI-compatible server, with the target\'s dtype '
+                          'and max_model_len), or a command starting an OpenAI-compatible server, with {port}, '
+                          '{model_dir}, {name}, {replica}')
     max_model_len: PositiveInt = 4096
     start_timeout_s: PositiveFloat = Field(600.0, description="seconds a server may take to answer /v1/models")
     replicas: PositiveInt = Field(1, description="copies of the candidate server, and of the baseline, each on its "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from gpu_pool.health import HostFault
 from gpu_pool.pool import Host, Pool, Slot
 from gpu_pool.ssh import connect, run_command
 from harness.job import Job
+from harness.serve.baselines import ENGINES
 from harness.verdict import PASS
 
 # Runs on the host with its own Python: what it has, as one JSON line. A missing package
@@ -46,6 +48,10 @@ info["transformers"] = _version("transformers") or "missing"
 beside = os.path.join(os.path.dirname(sys.executable), "aiperf")
 found = beside if os.path.exists(beside) else shutil.which("aiperf")
 info["aiperf"] = (_version("aiperf") or "found") if found else "missing"
+# The baseline engines a target may name (serving.baseline: vllm, sglang): importable by this python?
+import importlib.util
+for engine in ("vllm", "sglang"):
+    info[engine] = _version(engine) or ("found" if importlib.util.find_spec(engine) else "missing")
 try:
     out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=30).stdout
@@ -74,7 +80,8 @@ class HostReport:
         gpus = ", ".join(f"{g['name']} ({g['free_gib']:.0f} GiB free)" for g in i.get("gpus", [])) or "none (CPU)"
         status = "ok" if self.reachable else f"unreachable: {self.detail}"
         return [h.name, where, h.gpu_class, status, gpus if self.reachable else "-", i.get("driver", "-"),
-                i.get("torch", "-"), i.get("triton", "-"), i.get("transformers", "-"), i.get("aiperf", "-"), self.bundle]
+                i.get("torch", "-"), i.get("triton", "-"), i.get("transformers", "-"), i.get("aiperf", "-"), i.get("vllm", "-"), i.get("sglang", "-"),
+                self.bundle]
 
 
 def probe(host: Host) -> dict:
@@ -115,18 +122,23 @@ def check_host(host: Host, job_for: Callable[[Slot], Job], stage_timeout_s: floa
 
 def table(reports: list[HostReport]) -> str:
     head = ["host", "address", "class", "status", "GPUs", "driver", "torch", "triton", "transformers", "aiperf",
-            "bundle"]
+            "vllm", "sglang", "bundle"]
     rows = [head] + [r.row() for r in reports]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def serve_problems(host: Host, model_dir: str) -> list[str]:
-    """What the host lacks to serve model_dir (the directory there, aiperf, torch, transformers),
-    asked of the worker's own check so that this and the session agree; [] when the host is
-    unreachable, which the dispatch's retries deal with."""
+def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> list[str]:
+    """What the host lacks to serve model_dir (the directory there, aiperf, torch, transformers)
+    and, when the baseline names an engine (vllm, sglang), to run it; asked of the worker's own
+    check, with the python that would run the servers, so that this and the session agree. This
+    machine is asked the same way (its own python, the worker's PYTHONPATH). [] when a pool host
+    is unreachable, which the dispatch's retries deal with."""
     from gpu_pool.ssh import ensure_bundle, worker_env, workdir_of
 
+    engine = ["--baseline", baseline] if baseline in ENGINES else []
+    if host.is_local:
+        return _local_serve_problems(model_dir, engine)
     try:
         client = connect(host)
     except HostFault:
@@ -135,11 +147,28 @@ def serve_problems(host: Host, model_dir: str) -> list[str]:
         bundle_dir, _ = ensure_bundle(client, host, workdir_of(client, host))
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(Pool(hosts=[host]).slots()[0], bundle_dir).items())
         rc, out, err = run_command(client, host, f"env {env} {host.python} -m harness.serve check "
-                                                 f"{shlex.quote(model_dir)}", 120)
+                                                 f"{shlex.join([model_dir, *engine])}", 120)
     except HostFault:
         return []
     finally:
         client.close()
+    return _check_lines(host.python, rc, out, err)
+
+
+def _local_serve_problems(model_dir: str, engine: list[str]) -> list[str]:
+    """The worker's check on this machine, run as the servers are (flows/serve_pipeline.job_for)."""
+    from gpu_pool.local import WORKER_ROOT
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness.serve", "check", model_dir, *engine],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(WORKER_ROOT)})
+    except subprocess.TimeoutExpired:
+        return [f"{sys.executable} -m harness.serve check ran past 120 s"]
+    return _check_lines(sys.executable, done.returncode, done.stdout, done.stderr)
+
+
+def _check_lines(python: str, rc: int, out: str, err: str) -> list[str]:
     if rc not in (0, 1) or (rc == 1 and not out.strip()):
-        return [f"{host.python} failed: {(err.strip().splitlines() or ['?'])[-1]}"]
+        return [f"{python} failed: {(err.strip().splitlines() or ['?'])[-1]}"]
     return out.strip().splitlines()

@@ -85,8 +85,13 @@ def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, 
     assert " ok " in row_a and "none (CPU)" in row_a and "ok (compile" in row_a
     # what the serve stage needs of the host's python, reported beside torch and triton
     from importlib.metadata import version
-    assert out[0].split()[8:10] == ["transformers", "aiperf"]
+    assert out[0].split()[8:12] == ["transformers", "aiperf", "vllm", "sglang"]
     assert f" {version('transformers')} " in row_a and f" {version('aiperf')} " in row_a
+    # and the baseline engines a target may name ("missing" where the python lacks one, as here)
+    import importlib.util
+    engines = slice(out[0].index("vllm"), out[0].index("bundle"))
+    assert row_a[engines].split() == [version(e) if importlib.util.find_spec(e) else "missing"
+                                      for e in ("vllm", "sglang")]
     assert "unreachable: cannot connect" in row_gone
 
 

@@ -5,7 +5,9 @@ replica of two streaming a fixed token rejected by the accuracy gate, on this ma
 on the pool host (where the controller judges every replica); a server dying mid-run is a crash
 with its log kept, and the flow goes on. A host without the model directory is one line; a
 session the controller gives up on leaves no server behind; a pool host's GPUs go one to each
-replica. The gates' rules themselves on hand-made completions and metrics."""
+replica. A baseline named by engine (vllm, sglang) expands to its server command, and a machine or
+host whose python lacks the engine is one line before anything starts (a fake vllm package on a
+host's python shows the other side). The gates' rules themselves on hand-made completions and metrics."""
 from __future__ import annotations
 
 import contextlib
@@ -362,3 +364,114 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_a_baseline_named_by_engine_expands_to_its_server_command():
+    """`vllm` and `sglang` become that engine's server on the job's checkpoint, run by the job's
+    python, on loopback, with the target's dtype and context length; a command stays a command."""
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.pool import Host, Pool
+    from harness.serve.stage import baseline_argv
+
+    group = Pool(hosts=[Host(name="h200-a", address="10.0.0.5", gpus=[3], gpu_class="h200",
+                             python="/opt/venv/bin/python")]).slots()
+
+    def job(baseline: str, dtype: str):
+        target = Target.model_validate({"model": "tiny", "dtype": dtype,
+                                        "serving": SERVING | {"baseline": baseline, "max_model_len": 1024}})
+        return job_for(target, Path("/data/tiny"), group)
+
+    assert baseline_argv(job("vllm", "bf16"), 8123) == [
+        "/opt/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "/data/tiny", "--host", "127.0.0.1",
+        "--port", "8123", "--served-model-name", "infersmith-e2e", "--dtype", "bfloat16", "--max-model-len", "1024"]
+    assert baseline_argv(job("sglang", "fp16"), 8124) == [
+        "/opt/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/data/tiny", "--host", "127.0.0.1",
+        "--port", "8124", "--served-model-name", "infersmith-e2e", "--dtype", "float16", "--context-length", "1024"]
+    command = "vllm serve {model_dir} --port {port} --served-model-name {name} --seed {replica}"
+    assert baseline_argv(job(command, "fp32"), 9000, 1) == [
+        "vllm", "serve", "/data/tiny", "--port", "9000", "--served-model-name", "infersmith-e2e", "--seed", "1"]
+
+
+@pytest.mark.parametrize("engine, module, via", [("vllm", "vllm.entrypoints.cli.main serve", "option"),
+                                                 ("sglang", "sglang.launch_server", "serving file")])
+def test_a_baseline_engine_this_machine_lacks_is_one_line_and_nothing_starts(capsys, tmp_path, monkeypatch,
+                                                                          engine, module, via):
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"this machine has {engine}")
+    model_dir = str(checkpoint("dense"))
+    marker = tmp_path / "candidate-started"  # the candidate server, were it started, leaves this
+    candidate = f"{sys.executable} -c \"import pathlib; pathlib.Path('{marker}').touch()\""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a flow's session would make its folder
+    if via == "option":
+        choice = ["--baseline", engine]
+    else:
+        (tmp_path / "serving.json").write_text(json.dumps(SERVING | {"baseline": engine}))
+        choice = ["--serving", str(tmp_path / "serving.json")]
+    capsys.readouterr()  # making the checkpoint prints progress
+    assert main(["serve-bench", "--model-dir", model_dir, "--model", "tiny", "--candidate", candidate, *choice]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"infersmith: host local: {sys.executable} cannot import {engine}, which the baseline "
+                           f"'{engine}' needs (python -m {module}); install {engine} into that environment or "
+                           f"name another baseline")
+    assert not marker.exists() and [p.name for p in tmp_path.iterdir()] == (["serving.json"] if via != "option"
+                                                                            else [])
+
+
+def test_a_fake_vllm_on_a_hosts_python_is_detected_and_its_serve_command_runs_there(pool_host, capsys, tmp_path):
+    """A pool host whose python imports a (tiny, real) vllm package: pool check shows its version,
+    the pre-run check passes, and a baseline session runs `python -m vllm.entrypoints.cli.main serve`
+    with the expanded arguments there (the fake prints them and exits 3). The same host lacks
+    sglang: one line before the run, and the session's own check refuses it too."""
+    from flows.serve_pipeline import job_for
+    from flows.target import Target
+    from gpu_pool.check import probe, serve_problems
+    from gpu_pool.pool import Pool
+    from gpu_pool.ssh_serve import ServeSetupError, SSHServe
+    from harness.serve.server import ServerError
+
+    site = tmp_path / "site"
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for package in (cli, cli.parent, cli.parent.parent):
+        (package / "__init__.py").write_text("")
+    (cli / "main.py").write_text("import json, sys\nprint('fake vllm', json.dumps(sys.argv[1:]), flush=True)\n"
+                                 "sys.exit(3)\n")
+    (site / "vllm-0.0.1.dist-info").mkdir()
+    (site / "vllm-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.1\n")
+    python = tmp_path / "python"  # the host's python: this one, with the fake on its path
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    host = pool_host[0].model_copy(update={"python": str(python)})
+    model_dir = tmp_path / "model"  # what the checks and a baseline session read of it: that it is there
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model_dir / name).write_text("{}")
+
+    info = probe(host)
+    assert (info["vllm"], info["sglang"]) == ("0.0.1", "missing")
+    assert serve_problems(host, str(model_dir), "vllm") == []
+    lacks_sglang = (f"{sys.executable} cannot import sglang, which the baseline 'sglang' needs (python -m "
+                    f"sglang.launch_server); install sglang into that environment or name another baseline")
+    pool_file = tmp_path / "pool.yaml"
+    pool_file.write_text(yaml.safe_dump({"hosts": [host.model_dump(mode="json")]}))
+    assert main(["serve-bench", "--model-dir", str(model_dir), "--model", "tiny", "--pool", str(pool_file),
+                 "--baseline", "sglang"]) == 2
+    assert capsys.readouterr().err.strip() == f"infersmith: host serve-host: {lacks_sglang}"
+
+    slot = Pool(hosts=[host]).slots()[0]
+    target = Target.model_validate({"model": "tiny", "dtype": "fp16",
+                                    "serving": SERVING | {"baseline": "vllm", "max_model_len": 512}})
+    out = tmp_path / "out"
+    with pytest.raises(ServerError, match="baseline server exited with code 3 while starting"):
+        SSHServe([slot]).baseline(job_for(target, model_dir, [slot]), out)
+    argv = json.loads((out / "server.log").read_text().split("fake vllm ", 1)[1].splitlines()[0])
+    port = argv[argv.index("--port") + 1]
+    assert argv == ["serve", str(model_dir), "--host", "127.0.0.1", "--port", port, "--served-model-name",
+                    "infersmith-e2e", "--dtype", "float16", "--max-model-len", "512"] and port.isdigit()
+    sglang = target.model_copy(update={"serving": target.serving.model_copy(update={"baseline": "sglang"})})
+    with pytest.raises(ServeSetupError, match=re.escape(f"host serve-host: {lacks_sglang}")):
+        SSHServe([slot]).baseline(job_for(sglang, model_dir, [slot]), tmp_path / "out-sglang")

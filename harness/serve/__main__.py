@@ -10,7 +10,9 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check").add_argument("model_dir", type=Path)
+    c = sub.add_parser("check")
+    c.add_argument("model_dir", type=Path)
+    c.add_argument("--baseline", help="also whether this python can run this baseline engine (vllm, sglang)")
     r = sub.add_parser("run")
     r.add_argument("job", type=Path)
     r.add_argument("run_dir", type=Path)
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.serve import remote
 
     if args.command == "check":
-        lines = remote.problems(args.model_dir)
+        lines = remote.problems(args.model_dir, args.baseline)
         print("\n".join(lines))
         return 1 if lines else 0
     if args.command == "run":

@@ -47,7 +47,7 @@ class ServeJob:
     patterns: tuple[Pattern, ...]
     accuracy: AccuracyRules
     margin: float  # every metric must beat the baseline's by this fraction
-    baseline: str  # "reference", or a shell command with {port}, {model_dir}, {name}, {replica}
+    baseline: str  # "reference", "vllm", "sglang", or a shell command with {port}, {model_dir}, {name}, {replica}
     start_timeout_s: float
     pattern_timeout_s: float
     python: str  # the interpreter that runs the engine, the reference server and the balancer

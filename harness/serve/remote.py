@@ -3,7 +3,9 @@ host itself (they bind loopback there, and a load generator across the network w
 the network). The controller (gpu_pool/ssh_serve.py) ships a session's job, runs it here, and
 fetches `out/` and `result.json` back.
 
-    python -m harness.serve check MODEL_DIR      what this host lacks to serve MODEL_DIR, one line each
+    python -m harness.serve check MODEL_DIR [--baseline vllm|sglang]
+                                                  what this host lacks to serve MODEL_DIR (and to run
+                                                  that baseline engine), one line each
     python -m harness.serve run JOB.json RUN_DIR  one session: reference, baseline or candidate
     python -m harness.serve kill MARKER           every process of a session, whatever its group
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from harness.serve import aiperf
 from harness.serve.accuracy import Completion
+from harness.serve.baselines import ENGINES, missing as engine_missing
 from harness.serve.job import AccuracyRules, EngineCandidate, Pattern, ServeJob
 from harness.serve.server import ServerError
 from harness.serve.stage import Reference, measure_baseline, reference_answers, serve
@@ -70,8 +73,9 @@ def runs_from_dict(d: dict, out: Path) -> dict[str, aiperf.PatternRun]:
 
 
 # -- the host's readiness -----------------------------------------------------------
-def problems(model_dir: Path) -> list[str]:
-    """What this host lacks to serve model_dir; each a line a person can act on."""
+def problems(model_dir: Path, baseline: str | None = None) -> list[str]:
+    """What this host lacks to serve model_dir, and to run `baseline` when it names an engine
+    (vllm, sglang); each a line a person can act on."""
     out = []
     missing = [f for f in ("config.json", "tokenizer.json") if not (model_dir / f).is_file()]
     if not model_dir.is_dir():
@@ -85,6 +89,9 @@ def problems(model_dir: Path) -> list[str]:
     lacking = [m for m in ("torch", "transformers", "aiohttp") if importlib.util.find_spec(m) is None]
     if lacking:
         out.append(f"{sys.executable} cannot import {', '.join(lacking)}")
+    engine = engine_missing(baseline) if baseline in ENGINES else None
+    if engine:
+        out.append(engine)
     return out
 
 
@@ -143,7 +150,7 @@ def run(job_path: Path, run_dir: Path) -> int:
     job = job_from_dict(spec["job"])
     out = run_dir / "out"
     out.mkdir(parents=True, exist_ok=True)
-    missing = problems(job.model_dir)
+    missing = problems(job.model_dir, job.baseline if spec["kind"] == "baseline" else None)
     if missing:
         result = {"setup_error": "; ".join(missing)}
     else:

@@ -18,6 +18,7 @@ from typing import Callable
 
 from harness.serve import aiperf
 from harness.serve.accuracy import REFERENCE_TOP, Completion, complete, judge, prompt_set
+from harness.serve.baselines import ENGINES
 from harness.serve.job import EngineCandidate, ServeJob
 from harness.serve.server import Replicas, ServerError, ServerProcess
 from harness.verdict import PASS, Verdict
@@ -86,6 +87,14 @@ def command_argv(command: str, job: ServeJob, port: int, replica: int = 0) -> li
     return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME, replica=replica))
 
 
+def baseline_argv(job: ServeJob, port: int, replica: int = 0) -> list[str]:
+    """The baseline server's command: an engine's by name (`vllm`, `sglang`: harness/serve/baselines.py)
+    or a command's."""
+    if job.baseline in ENGINES:
+        return ENGINES[job.baseline].argv(job, port, SERVED_NAME)
+    return command_argv(job.baseline, job, port, replica)
+
+
 def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
     """Greedy tokens and log-probabilities (with alternatives) of the reference server; and, when
     the reference is also the baseline, its metrics under every pattern from the same session."""
@@ -100,8 +109,8 @@ def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Ref
 
 
 def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
-    """The baseline server (a command's) under every pattern."""
-    with Replicas("baseline", lambda i, port: command_argv(job.baseline, job, port, i), job.replica_envs, out,
+    """The baseline server (an engine's by name, or a command's) under every pattern."""
+    with Replicas("baseline", lambda i, port: baseline_argv(job, port, i), job.replica_envs, out,
                   job.python) as server:
         server.start(job.start_timeout_s)
         return _load_baseline(job, server, out)
