@@ -13,4 +13,4 @@ optimize: setup
 
 # Two workers: CI has two cores, and most tests wait on harness subprocesses.
 test: setup
-	$(BIN)/python -m pytest -q -ra -n 2
+	$(BIN)/python -m pytest -q -ra -n 2 --durations=20
