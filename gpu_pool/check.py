@@ -20,7 +20,7 @@ from harness.verdict import PASS
 
 # Runs on the host with its own Python: what it has, as one JSON line. A missing package
 # is a value in the report, not an error of the check.
-PROBE = r"""
+PROBE_SOURCE = r"""
 import json, subprocess, sys
 info = {"python": sys.version.split()[0], "gpus": []}
 try:
@@ -50,7 +50,7 @@ found = beside if os.path.exists(beside) else shutil.which("aiperf")
 info["aiperf"] = (_version("aiperf") or "found") if found else "missing"
 # The baseline engines a target may name (serving.baseline: vllm, sglang): importable by this python?
 import importlib.util
-for engine in ("vllm", "sglang"):
+for engine in ENGINE_PACKAGES:
     info[engine] = _version(engine) or ("found" if importlib.util.find_spec(engine) else "missing")
 try:
     out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -60,6 +60,7 @@ except (OSError, subprocess.TimeoutExpired):
     info["driver"] = "-"
 print(json.dumps(info))
 """
+PROBE = PROBE_SOURCE.replace("ENGINE_PACKAGES", repr(tuple(e.package for e in ENGINES.values())))
 
 
 @dataclass
@@ -80,8 +81,8 @@ class HostReport:
         gpus = ", ".join(f"{g['name']} ({g['free_gib']:.0f} GiB free)" for g in i.get("gpus", [])) or "none (CPU)"
         status = "ok" if self.reachable else f"unreachable: {self.detail}"
         return [h.name, where, h.gpu_class, status, gpus if self.reachable else "-", i.get("driver", "-"),
-                i.get("torch", "-"), i.get("triton", "-"), i.get("transformers", "-"), i.get("aiperf", "-"), i.get("vllm", "-"), i.get("sglang", "-"),
-                self.bundle]
+                i.get("torch", "-"), i.get("triton", "-"), i.get("transformers", "-"), i.get("aiperf", "-"),
+                *(i.get(e.package, "-") for e in ENGINES.values()), self.bundle]
 
 
 def probe(host: Host) -> dict:
@@ -122,7 +123,7 @@ def check_host(host: Host, job_for: Callable[[Slot], Job], stage_timeout_s: floa
 
 def table(reports: list[HostReport]) -> str:
     head = ["host", "address", "class", "status", "GPUs", "driver", "torch", "triton", "transformers", "aiperf",
-            "vllm", "sglang", "bundle"]
+            *ENGINES, "bundle"]
     rows = [head] + [r.row() for r in reports]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
