@@ -42,8 +42,15 @@ class HFOracle:
         from transformers import AutoModelForCausalLM
 
         # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
-        return cls(AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention).to(device))
+        # Straight onto a GPU (device_map): no host copy of the weights first, which for
+        # qwen3-30b-a3b (61 GB) beside its checkpoint in /dev/shm would nearly fill the host's memory.
+        if device == "cpu":
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
+                                                         attn_implementation=attention)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
+                                                         attn_implementation=attention, device_map=device)
+        return cls(model)
 
     @classmethod
     def sharing(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
