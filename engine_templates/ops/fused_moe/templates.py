@@ -18,11 +18,12 @@ channels; the expert's down rows, in tiles of BLOCK_K intermediate channels, red
 the pair's activation, times its routing weight, to a float32 workspace. (One program per token
 and block, walking its slots, left most of the GPU idle at decode: 16 programs for a 2048-wide
 hidden at batch 1.)
-Slot sum, grid (tokens, hidden / BLOCK_O): adds a token's top_k slot rows in slot order and
-casts to x's dtype. It keeps pass 2's parallelism and replaces torch's sum and cast (two
-kernels) with one. Float32 atomic adds into a zeroed output would have cost as many launches
-(the zeroing, the cast to x's dtype) and made the result depend on the order the slots land;
-this way the output is bit-for-bit the same run to run.
+Slot sum, grid (tokens, hidden / 1024): adds a token's top_k rows of pass 2's workspace in slot
+order and casts to x's dtype, one small memory-bound kernel where torch ran two (sum, cast).
+Folding the sum into pass 2 itself would mean walking the slots (the idle GPU above) or float32
+atomic adds into a zeroed output: as many launches here (the zeroing, the cast to x's dtype),
+and a result that depends on the order the slots land. A fixed order gives the same bits every
+run.
 
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 
 RANK_CHUNK = 32  # rival experts compared at once: a [experts, 32] tile stays in registers
+SUM_BLOCK = 1024  # slot-sum columns per program: 2 programs a token at hidden 2048
 
 
 @triton.jit
@@ -50,8 +52,9 @@ def _route(LOGITS, WEIGHTS, EXPERTS, n_experts, stride_lt, TOP_K: tl.constexpr,
         o = start + tl.arange(0, CHUNK)
         rival = tl.load(row + o, mask=o < n_experts, other=float("-inf")).to(tl.float32)
         rival = tl.where(rival != rival, float("inf"), rival)
-        beats = (rival[None, :] > key[:, None]) | ((rival[None, :] == key[:, None]) & (o[None, :] < e[:, None]))
-        rank += tl.sum((beats & (o < n_experts)[None, :]).to(tl.int32), axis=1)
+        beats = ((rival[None, :] > key[:, None])
+                 | ((rival[None, :] == key[:, None]) & (o[None, :] < e[:, None])))
+        rank += tl.sum(beats.to(tl.int32), axis=1)  # a masked rival (-inf, above every index) beats none
     p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the masked lanes
     chosen = e_mask & (rank < TOP_K)
     if RENORMALIZE:
@@ -106,11 +109,11 @@ def _down(ACT, W_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh,
 
 
 @triton.jit
-def _sum_slots(PART, OUT, hidden, TOP_K: tl.constexpr, BLOCK_O: tl.constexpr):
+def _sum_slots(PART, OUT, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h_mask = h < hidden
-    acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
     for slot in tl.static_range(TOP_K):  # a fixed order: the same bits every run
         acc += tl.load(PART + (token * TOP_K + slot) * hidden + h, mask=h_mask, other=0.0)
     tl.store(OUT + token * hidden + h, acc.to(OUT.dtype.element_ty), mask=h_mask)
@@ -148,8 +151,9 @@ def build(block_i: int, block_h: int, block_o: int, block_k: int, num_warps: int
         _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
             act, w_down, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
             BLOCK_K=block_k, BLOCK_O=block_o, num_warps=num_warps)
-        _sum_slots[(tokens, triton.cdiv(hidden, block_o))](part, out, hidden, TOP_K=top_k,
-                                                           BLOCK_O=block_o, num_warps=num_warps)
+        block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
+        _sum_slots[(tokens, triton.cdiv(hidden, block))](part, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                         num_warps=4)
         return out
 
     return fused_moe
