@@ -199,6 +199,21 @@ def test_a_template_kernel_is_wired_in_and_recorded(tmp_path):
             == engine("dense").generate([PROMPTS[0]], short)[0].completion_token_ids)
 
 
+def test_moe_template_kernel_gives_transformers_greedy_tokens(tmp_path):
+    from engine_templates.engine.oracle import HFOracle
+
+    kernels = tmp_path / "kernels.json"
+    kernels.write_text(json.dumps({"fused_moe": {"impl": "template", "template": "gemv"}}))
+    eng = engine("moe", max_model_len=64, max_num_seqs=2, kernels=parse_kernels_file(kernels))
+    assert eng.kernel_choices["fused_moe"]["template"] == "gemv"
+    oracle = HFOracle.from_dir(checkpoint("moe"), "fp32")
+    for seq in eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True)):
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        assert seq.completion_token_ids == oracle.greedy(prompt, 4), seq
+        expected = oracle.logprobs(prompt, seq.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
+
+
 def test_free_kernel_file_is_loaded(tmp_path):
     (tmp_path / "mine.py").write_text("import torch\n\ndef silu_mul(gate, up):\n"
                                       "    return torch.nn.functional.silu(gate) * up\n")

@@ -125,3 +125,53 @@ def test_bytes_and_flops():
 def test_fused_moe_needs_an_moe_preset():
     with pytest.raises(ValueError, match="qwen3-8b is dense"):
         get_op("fused_moe").shapes(PRESETS["qwen3-8b"], [1], [], [])
+
+
+def tied_logits(tokens: int, experts: int, top_k: int, tie_at_boundary: bool, gen) -> torch.Tensor:
+    """Router logits with ties: in pairs among each token's top_k and in threes below them, the
+    top_k-th and the next apart (the chosen set is the same under any tie order); or with only
+    those two tied (then the set depends on the tie order). Multiples of 1/4: exact in bf16."""
+    rank = torch.arange(experts)
+    if tie_at_boundary:
+        key = torch.where(rank == top_k, top_k - 1, rank)
+    else:
+        key = torch.where(rank < top_k, rank // 2, top_k + 1 + (rank - top_k) // 3)
+    logits = torch.empty(tokens, experts)
+    for t in range(tokens):
+        logits[t, torch.randperm(experts, generator=gen)] = -key.float() / 4
+    return logits
+
+
+@pytest.mark.parametrize("tokens, top_k, renormalize, dtype", [
+    (1, 1, True, torch.float32), (1, 8, False, torch.float32),
+    (5, 1, False, torch.bfloat16), (5, 8, True, torch.bfloat16)])
+def test_fused_moe_template_with_ties_in_the_router_logits(tokens, top_k, renormalize, dtype):
+    op, template = get_op("fused_moe"), get_op("fused_moe").templates["gemv"]
+    fn = template.build(template.default)
+    gen = torch.Generator().manual_seed(tokens * 10 + top_k)
+    shape = Shape("ties", {"tokens": tokens, "hidden": 40, "inter": 24, "experts": 16, "top_k": top_k})
+    x, _, w_gate_up, w_down, _, _ = op.inputs(shape, dtype, DEVICE, generator(DEVICE, 0), "normal")
+    # ties that do not decide the chosen set: any top-k order is right, the harness judges
+    logits = tied_logits(tokens, 16, top_k, False, gen).to(DEVICE, dtype)
+    args = (x, logits, w_gate_up, w_down, top_k, renormalize)
+    result = check_call(op, fn, args, dtype, DEVICE, RTOL[dtype])
+    assert result.ok, f"{result.gate} {result.detail}"
+    # a tie for the last slot goes to the lower expert index: the reference on the same logits,
+    # each lowered by a hair in index order, is the expected output
+    logits = tied_logits(tokens, 16, top_k, True, gen).to(DEVICE, dtype)
+    hair = 1e-9 * torch.arange(16, dtype=torch.float64, device=DEVICE)
+    expected = op.reference(x, logits.double() - hair, w_gate_up, w_down, top_k, renormalize)
+    assert rel_error(fn(x, logits, w_gate_up, w_down, top_k, renormalize), expected) < RTOL[dtype]
+
+
+@pytest.mark.parametrize("experts", [100, 128])
+def test_fused_moe_template_routes_as_torch_over_many_experts(experts):
+    from engine_templates.ops.fused_moe import route
+    from engine_templates.ops.fused_moe.templates import triton_route
+
+    logits = torch.randn(5, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE)
+    for top_k, renormalize in ((8, True), (3, False)):
+        weights, ids = triton_route(logits, top_k, renormalize)
+        expected_weights, expected_ids = route(logits, top_k, renormalize)
+        assert torch.equal(ids.long(), expected_ids)
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)

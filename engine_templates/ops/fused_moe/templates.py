@@ -1,13 +1,29 @@
-"""Triton fused MoE for few tokens (decode): routing in torch, then two GEMV-style kernels.
+"""Triton fused MoE for few tokens (decode): four kernels, no torch op between them.
 
+Routing, grid (tokens,): one program per token ranks the router logits and writes the token's
+top_k expert ids and float32 weights. An expert's rank is how many experts beat it: a larger
+logit, or an equal one at a lower index. That is a strict order, so the ranks are a permutation
+and every slot gets exactly one expert with no top-k loop; slot r holds the expert of rank r.
+Ranking the logits rather than float32 probabilities keeps the order exact (two distinct logits
+can round to one probability). A tie is broken towards the lower expert index, run to run and on
+any device; torch.topk promises no order for ties, and the op's inputs have none (see the op's
+docstring), so the check never depends on it. A NaN logit ranks as +inf, so even then every slot
+holds an expert in range. Weights are softmax(logits)[expert], divided by the sum over the
+token's top_k when `renormalize`.
 Pass 1, grid (tokens * top_k, inter / BLOCK_I): one (token, slot) pair and a block of the
 expert's intermediate channels; its gate and up rows are reduced against the token's hidden
 vector tile by tile, and silu(gate) * up goes to a float32 workspace.
 Pass 2, grid (tokens * top_k, hidden / BLOCK_O): one (token, slot) pair and a block of output
 channels; the expert's down rows, in tiles of BLOCK_K intermediate channels, reduced against
-the pair's activation, times its routing weight, to a float32 workspace; the sum over each
-token's slots is torch's. (One program per token and block, walking its slots, left most of
-the GPU idle at decode: 16 programs for a 2048-wide hidden at batch 1.)
+the pair's activation, times its routing weight, to a float32 workspace. (One program per token
+and block, walking its slots, left most of the GPU idle at decode: 16 programs for a 2048-wide
+hidden at batch 1.)
+Slot sum, grid (tokens, hidden / 1024): adds a token's top_k rows of pass 2's workspace in slot
+order and casts to x's dtype, one small memory-bound kernel where torch ran two (sum, cast).
+Folding the sum into pass 2 itself would mean walking the slots (the idle GPU above) or float32
+atomic adds into a zeroed output: as many launches here (the zeroing, the cast to x's dtype),
+and a result that depends on the order the slots land. A fixed order gives the same bits every
+run.
 
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
@@ -19,7 +35,35 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_templates.ops.fused_moe import route
+RANK_CHUNK = 32  # rival experts compared at once: a [experts, 32] tile stays in registers
+SUM_BLOCK = 1024  # slot-sum columns per program: 2 programs a token at hidden 2048
+
+
+@triton.jit
+def _route(LOGITS, WEIGHTS, EXPERTS, n_experts, stride_lt, TOP_K: tl.constexpr,
+           RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    row = LOGITS + tl.program_id(0).to(tl.int64) * stride_lt
+    e = tl.arange(0, BLOCK_E)
+    e_mask = e < n_experts
+    logits = tl.load(row + e, mask=e_mask, other=float("-inf")).to(tl.float32)
+    key = tl.where(logits != logits, float("inf"), logits)  # NaN ranks first, not nowhere
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, n_experts, CHUNK):
+        o = start + tl.arange(0, CHUNK)
+        rival = tl.load(row + o, mask=o < n_experts, other=float("-inf")).to(tl.float32)
+        rival = tl.where(rival != rival, float("inf"), rival)
+        beats = ((rival[None, :] > key[:, None])
+                 | ((rival[None, :] == key[:, None]) & (o[None, :] < e[:, None])))
+        rank += tl.sum(beats.to(tl.int32), axis=1)  # a masked rival (-inf, above every index) beats none
+    p = tl.exp(logits - tl.max(logits, axis=0))  # 0 on the masked lanes
+    chosen = e_mask & (rank < TOP_K)
+    if RENORMALIZE:
+        p = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
+    else:
+        p = p / tl.sum(p, axis=0)
+    slot = tl.program_id(0).to(tl.int64) * TOP_K + rank
+    tl.store(EXPERTS + slot, e, mask=chosen)
+    tl.store(WEIGHTS + slot, p, mask=chosen)
 
 
 @triton.jit
@@ -64,6 +108,30 @@ def _down(ACT, W_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh,
     tl.store(PART + pair * hidden + h, tl.load(WEIGHTS + pair) * acc, mask=h_mask)
 
 
+@triton.jit
+def _sum_slots(PART, OUT, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h_mask = h < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # a fixed order: the same bits every run
+        acc += tl.load(PART + (token * TOP_K + slot) * hidden + h, mask=h_mask, other=0.0)
+    tl.store(OUT + token * hidden + h, acc.to(OUT.dtype.element_ty), mask=h_mask)
+
+
+def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """(weights [tokens, top_k] float32, experts [tokens, top_k] int32), slots in rank order."""
+    tokens, n_experts = router_logits.shape
+    assert router_logits.stride(1) == 1 and 0 < top_k <= n_experts
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    experts = torch.empty((tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    block_e = triton.next_power_of_2(n_experts)
+    _route[(tokens,)](router_logits, weights, experts, n_experts, router_logits.stride(0),
+                      TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_E=block_e,
+                      CHUNK=min(block_e, RANK_CHUNK), num_warps=4)
+    return weights, experts
+
+
 def build(block_i: int, block_h: int, block_o: int, block_k: int, num_warps: int):
     def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -71,18 +139,21 @@ def build(block_i: int, block_h: int, block_o: int, block_k: int, num_warps: int
         n_experts, two_inter, _ = w_gate_up.shape
         inter = two_inter // 2
         assert w_gate_up.shape[2] == hidden and w_down.shape == (n_experts, hidden, inter)
+        assert router_logits.shape == (tokens, n_experts)
         assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
-        weights, experts = route(router_logits, top_k, renormalize)
-        experts = experts.contiguous()
-        weights = weights.contiguous()
+        weights, experts = triton_route(router_logits, top_k, renormalize)
         act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=x.device)
         part = torch.empty((tokens, top_k, hidden), dtype=torch.float32, device=x.device)
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
         _gate_up_act[(tokens * top_k, triton.cdiv(inter, block_i))](
             x, w_gate_up, experts, act, hidden, inter, x.stride(0), w_gate_up.stride(0),
             w_gate_up.stride(1), TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps)
         _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
             act, w_down, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
             BLOCK_K=block_k, BLOCK_O=block_o, num_warps=num_warps)
-        return part.sum(dim=1).to(x.dtype)
+        block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
+        _sum_slots[(tokens, triton.cdiv(hidden, block))](part, out, hidden, TOP_K=top_k, BLOCK=block,
+                                                         num_warps=4)
+        return out
 
     return fused_moe
