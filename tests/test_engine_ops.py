@@ -25,7 +25,7 @@ CASES = {  # op -> (model preset, a non-default template point)
     "rope": ("tiny", {"tokens_per_program": 4, "num_warps": 2}),
     # tiny's 4 q + 2 k heads: a block of q heads and one of k heads with a masked tail; odd_heads'
     # 6 + 3: a block holding q and k heads both
-    "qk_norm_rope": ("tiny", {"heads_per_program": 4, "num_warps": 2}),
+    "qk_norm_rope": ("tiny", {"tokens_per_program": 8, "heads_per_program": 4, "num_warps": 2}),
     "prefill_attention": ("tiny", {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}),
     "fused_moe": ("tiny-moe", {"block_i": 16, "block_h": 32, "block_o": 32, "block_k": 32, "num_warps": 2}),
 }

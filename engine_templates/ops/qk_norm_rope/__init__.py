@@ -22,10 +22,12 @@ HEADS_TEMPLATE = Template(
     name="heads",
     module="engine_templates.ops.qk_norm_rope.templates",
     space={
+        "tokens_per_program": [1, 2, 4, 8],
         "heads_per_program": [1, 2, 4, 8, 16, 0],  # 0: every q and k head of a token in one program
         "num_warps": [1, 2, 4, 8],
     },
-    default={"heads_per_program": 8, "num_warps": 4},
+    # qwen3-8b: 40 heads in 5 blocks; 4 tokens x 8 heads x 128 is 8 KiB of bf16 read per program
+    default={"tokens_per_program": 4, "heads_per_program": 8, "num_warps": 4},
 )
 
 
