@@ -183,20 +183,25 @@ def test_stop_string_eos_and_max_tokens():
     assert eos_eng.generate([PROMPTS[1]], SamplingParams(max_tokens=20))[0].finish_reason == "stop"
 
 
-def test_a_template_kernel_is_wired_in_and_recorded(tmp_path):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_a_template_kernel_is_wired_in_and_recorded(tmp_path, kind):
+    """The q/k norm and RoPE template (eager: test_greedy_tokens_equal_transformers) in a batch,
+    prefill and decode, gives transformers' greedy tokens."""
+    from engine_templates.engine.oracle import HFOracle
+
+    # odd token counts leave a block's last token past the end; 4 q + 2 k heads, a block's last heads
+    point = {"tokens_per_program": 2, "heads_per_program": 4, "num_warps": 1}
     kernels = tmp_path / "kernels.json"
-    kernels.write_text(json.dumps({"rope": {"impl": "template", "template": "rows",
-                                            "point": {"tokens_per_program": 2, "num_warps": 1}},
+    kernels.write_text(json.dumps({"qk_norm_rope": {"impl": "template", "template": "heads", "point": point},
                                    "silu_mul": {"impl": "reference"}}))
-    eng = LLMEngine(EngineConfig(model_dir=checkpoint("dense"), dtype="fp32", device="cpu",
+    eng = LLMEngine(EngineConfig(model_dir=checkpoint(kind), dtype="fp32", device="cpu",
                                  max_model_len=64, max_num_seqs=2, kernels=parse_kernels_file(kernels)))
-    assert eng.kernel_choices["rope"] == {"impl": "template", "template": "rows",
-                                          "point": {"tokens_per_program": 2, "num_warps": 1}}
+    assert eng.kernel_choices["qk_norm_rope"] == {"impl": "template", "template": "heads", "point": point}
     assert eng.kernel_choices["silu_mul"] == {"impl": "reference"}
     assert eng.kernel_choices["decode_attention"] == {"impl": "eager"}
-    short = SamplingParams(max_tokens=4, ignore_eos=True)
-    assert (eng.generate([PROMPTS[0]], short)[0].completion_token_ids
-            == engine("dense").generate([PROMPTS[0]], short)[0].completion_token_ids)
+    oracle = HFOracle.from_dir(checkpoint(kind), "fp32")
+    for seq in eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True)):
+        assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 4), kind
 
 
 def test_moe_template_kernel_gives_transformers_greedy_tokens(tmp_path):

@@ -1,6 +1,7 @@
-"""The engine's new ops (rope, prefill_attention, fused_moe): registered, references checked
-against independent accounts (transformers' own modules, decode_attention), eager baselines and
-template points through the harness's check (Triton's interpreter on a CPU), roofline counts."""
+"""The engine's new ops (rope, qk_norm_rope, prefill_attention, fused_moe): registered, references
+checked against independent accounts (transformers' own modules, decode_attention, the ops they
+fuse), eager baselines and template points through the harness's check (Triton's interpreter on a
+CPU), roofline counts."""
 from __future__ import annotations
 
 import os
@@ -22,6 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 CASES = {  # op -> (model preset, a non-default template point)
     "rope": ("tiny", {"tokens_per_program": 4, "num_warps": 2}),
+    # tiny's 4 q + 2 k heads: a block of q heads and one of k heads with a masked tail; odd_heads'
+    # 6 + 3: a block holding q and k heads both
+    "qk_norm_rope": ("tiny", {"tokens_per_program": 8, "heads_per_program": 4, "num_warps": 2}),
     "prefill_attention": ("tiny", {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 1}),
     "fused_moe": ("tiny-moe", {"block_i": 16, "block_h": 32, "block_o": 32, "block_k": 32, "num_warps": 2}),
 }
@@ -67,6 +71,40 @@ def test_rope_reference_matches_transformers():
                                       cos[None], sin[None])
     ref_q, ref_k = op.reference(q, k, cos_sin, positions)
     assert torch.allclose(ref_q, hf_q[0].transpose(0, 1)) and torch.allclose(ref_k, hf_k[0].transpose(0, 1))
+
+
+def _unfused(qkv, q_heads, kv_heads, q_norm, k_norm, eps, cos_sin, positions, impl: str):
+    """The engine's q/k path before qk_norm_rope: contiguous per-head rows through rmsnorm, then
+    rope, each the given implementation (`eager` or `reference`)."""
+    rmsnorm, rope = getattr(get_op("rmsnorm"), impl), getattr(get_op("rope"), impl)
+    hd = q_norm.shape[0]
+    q, k, _ = (t.contiguous() for t in qkv.split((q_heads * hd, kv_heads * hd, kv_heads * hd), dim=-1))
+    return rope(rmsnorm(q.view(-1, hd), q_norm, eps).view(len(qkv), q_heads, hd),
+                rmsnorm(k.view(-1, hd), k_norm, eps).view(len(qkv), kv_heads, hd), cos_sin, positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_eager_is_the_unfused_engine_path_bit_for_bit(dtype):
+    # What keeps the engine's eager tokens exactly what they were before the op existed.
+    op = get_op("qk_norm_rope")
+    for i, shape in enumerate(shapes(op, "tiny")):
+        args = draw(op, shape, dtype, i)
+        for out, expected in zip(op.eager(*args), _unfused(*args, impl="eager")):
+            assert torch.equal(out, expected), shape.label
+        for out, expected in zip(op.reference(*args), _unfused(*args, impl="reference")):
+            assert torch.allclose(out, expected, rtol=1e-12, atol=0), shape.label
+
+
+def test_qk_norm_rope_check_tells_the_q_norm_from_the_k_norm():
+    # The oracle must see a kernel that normalizes k with q's weight, else the checks prove little.
+    op = get_op("qk_norm_rope")
+    args = draw(op, op.odd_shapes(PRESETS["tiny"])[1], torch.bfloat16, 3)
+
+    def swapped(qkv, q_heads, kv_heads, q_norm, k_norm, eps, cos_sin, positions):
+        return op.eager(qkv, q_heads, kv_heads, q_norm, q_norm, eps, cos_sin, positions)
+
+    result = check_call(op, swapped, args, torch.bfloat16, DEVICE, RTOL[torch.bfloat16])
+    assert not result.ok and result.gate == "accuracy"
 
 
 def test_fused_moe_reference_matches_the_transformers_block():
@@ -120,6 +158,9 @@ def test_bytes_and_flops():
     assert get_op("fused_moe").bytes(moe, torch.bfloat16) == (2 * 3 * 2 * 4 + 2 * 4 + 8) * 2
     rope = Shape("r", {"tokens": 2, "q_heads": 2, "kv_heads": 1, "head_dim": 4})
     assert get_op("rope").bytes(rope, torch.float32) == 2 * 2 * 3 * 4 * 4 + 2 * (4 * 4 + 8)
+    # q and k (3 heads x 4 of 2 tokens) read and written, two weights of 4, table rows, positions
+    assert get_op("qk_norm_rope").bytes(rope, torch.bfloat16) == (2 * 2 * 3 * 4 + 2 * 4) * 2 + 2 * (4 * 4 + 8)
+    assert get_op("qk_norm_rope").flops(rope) == 7 * 2 * 3 * 4
 
 
 def test_fused_moe_needs_an_moe_preset():

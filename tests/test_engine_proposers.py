@@ -23,13 +23,13 @@ STATES = [("pass", 1.2), ("fail", 0.9), ("fail", None), ("crash", None), ("pendi
 @pytest.fixture(scope="module")
 def options(tmp_path_factory) -> dict[str, list[dict]]:
     """Kernel choices as kernel_choices gives them: eager first, then leaderboard templates and
-    a free kernel in a file named after its candidate id; rope has nothing but eager."""
+    a free kernel in a file named after its candidate id; qk_norm_rope has nothing but eager."""
     free = tmp_path_factory.mktemp("kernels") / "rmsnorm-0123456789abcdef.py"
     free.write_text((CANDIDATES / "rmsnorm" / "honest_torch.py").read_text())
     return {"rmsnorm": [EAGER, {"impl": "template", "template": ROWS_TEMPLATE.name, "point": ROWS_TEMPLATE.default},
                         {"impl": "free", "path": str(free)}],
             "silu_mul": [EAGER, {"impl": "template", "template": FLAT_TEMPLATE.name, "point": FLAT_TEMPLATE.default}],
-            "rope": [EAGER]}
+            "qk_norm_rope": [EAGER]}
 
 
 @pytest.fixture(params=sorted(SEARCHES))

@@ -105,7 +105,7 @@ def test_ops_declare_their_persistent_arguments():
         assert set(op.persistent) <= set(op.arg_names), op.name
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
-        "fused_moe": {"w_gate_up", "w_down"}}
+        "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}}
 
 
 def test_timing_method_says_which_contender_was_not_captured():

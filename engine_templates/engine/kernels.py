@@ -4,7 +4,7 @@ A kernels file is JSON mapping op name to where its implementation comes from:
 
     {"rmsnorm":          {"impl": "template", "template": "rows", "point": {"block_n": 0, ...}},
      "decode_attention": {"impl": "free", "path": "candidates/decode.py"},
-     "rope":             {"impl": "reference"},
+     "qk_norm_rope":     {"impl": "reference"},
      "silu_mul":         {"impl": "eager"}}
 
 `eager` (the default for every op the file does not name) is the op's PyTorch baseline;
@@ -24,7 +24,7 @@ import torch
 from engine_templates.engine.config import EngineSetupError, KernelSpec
 from engine_templates.ops import OPS
 
-ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "rope", "decode_attention",
+ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "qk_norm_rope", "decode_attention",
               "prefill_attention", "fused_moe")
 IMPLS = ("reference", "eager", "template", "free")
 

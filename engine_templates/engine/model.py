@@ -124,12 +124,11 @@ class Qwen3Model:
     def _attention(self, i: int, layer: Layer, x, positions, attn: AttentionInputs):
         cfg, k = self.cfg, self.k
         tokens, hd = x.shape[0], cfg.head_dim
-        # views of one row each when tokens == 1; copies otherwise (the kernels take contiguous rows)
-        q, key, value = (t.contiguous() for t in F.linear(x, layer.qkv).split(layer.qkv_split, dim=-1))
-        q, key, value = q.view(-1, hd), key.view(-1, hd), value.view(tokens, cfg.kv_heads, hd)
-        q = k.rmsnorm(q, layer.q_norm, cfg.rms_eps).view(tokens, cfg.heads, hd)
-        key = k.rmsnorm(key, layer.k_norm, cfg.rms_eps).view(tokens, cfg.kv_heads, hd)
-        q, key = k.rope(q, key, self.cos_sin, positions)
+        qkv = F.linear(x, layer.qkv)
+        # q and k normalized and rotated straight from qkv's rows; v stays a view of them
+        q, key = k.qk_norm_rope(qkv, cfg.heads, cfg.kv_heads, layer.q_norm, layer.k_norm, cfg.rms_eps,
+                                self.cos_sin, positions)
+        value = qkv.split(layer.qkv_split, dim=-1)[2].view(tokens, cfg.kv_heads, hd)
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         k_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, key)
         v_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, value)
