@@ -62,3 +62,19 @@ def test_profile_bad_input_is_one_line(capsys):
     code, _, err = run(capsys, "engine", "profile", "--presets", "tiny")
     if not torch.cuda.is_available():
         assert code == 2 and "needs a CUDA GPU" in err
+
+
+def test_no_async_decode_reaches_the_engine_config_the_bench_and_the_profile():
+    import argparse
+
+    from engine_templates.engine.cli import add_commands, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    for base in (["serve", "--model-dir", str(checkpoint("dense"))],
+                 ["generate", "--model-dir", str(checkpoint("dense")), "--prompt", "x"]):
+        assert engine_config(parser.parse_args(base)).async_decode is True
+        assert engine_config(parser.parse_args(base + ["--no-async-decode"])).async_decode is False
+    for base in (["bench", "--out", "x"], ["profile"]):
+        assert parser.parse_args(base).async_decode is True
+        assert parser.parse_args(base + ["--no-async-decode"]).async_decode is False

@@ -59,6 +59,8 @@ def add_commands(sub) -> None:
                    "(every op's PyTorch baseline); repeatable (default: eager)")
     b.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline or agreement check")
     b.add_argument("--enforce-eager", action="store_true", help="time the engine without CUDA graphs")
+    b.add_argument("--no-async-decode", dest="async_decode", action="store_false",
+                   help="time the engine reading each decode step's tokens before queuing the next")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--decode-tokens", type=int, default=128, help="engine batch-1 decode tokens")
@@ -83,6 +85,8 @@ def add_commands(sub) -> None:
     f.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
     f.add_argument("--steps", type=int, default=30, help="decode steps timed (default 30)")
     f.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
+    f.add_argument("--no-async-decode", dest="async_decode", action="store_false",
+                   help="the graphed step without async decode: each step's tokens read before the next is queued")
     f.set_defaults(engine_fn=cmd_profile)
     c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
                                                  "weights at a preset's shape and a tokenizer for them")
@@ -112,6 +116,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
                    help="never run decodes and prompt chunks in one step: decodes wait while any "
                         "prompt has tokens left")
+    p.add_argument("--no-async-decode", dest="async_decode", action="store_false",
+                   help="read each decode step's tokens before queuing the next (default: the next "
+                        "decode step is queued first, so the host's work overlaps the device's)")
     p.add_argument("--num-kv-blocks", type=int, default=0, help="0: as many as memory allows")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32,64",
@@ -138,7 +145,7 @@ def engine_config(args):
                             cuda_graph_batch_sizes=graph_sizes, block_size=args.block_size,
                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            mixed_steps=args.mixed_steps,
+                            mixed_steps=args.mixed_steps, async_decode=args.async_decode,
                             num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
                             seed=args.seed, **extra)
     except AssertionError as e:
@@ -240,7 +247,8 @@ def cmd_bench(args) -> int:
         extra = {"device": args.device} if args.device else {}
         opts = BenchOptions(presets=tuple(args.presets), out=args.out, work=work, kernels=variants,
                             dtype=args.dtype, skip_hf=args.skip_hf,
-                            enforce_eager=args.enforce_eager, tolerance=args.tolerance,
+                            enforce_eager=args.enforce_eager, async_decode=args.async_decode,
+                            tolerance=args.tolerance,
                             seed=args.seed, kernel_specs=specs, **extra)
     except AssertionError as e:
         raise EngineSetupError(f"bad bench option: {e}") from None

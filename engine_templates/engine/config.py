@@ -154,6 +154,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step with a prompt chunk; longer prompts are chunked
     # Decodes and prompt chunks in one step (scheduler.py); False: decodes wait for every prompt
     mixed_steps: bool = True
+    # Queue a decode step behind the one in flight before reading its tokens (engine.py); graphs only
+    async_decode: bool = True
     max_model_len: int = 4096
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)

@@ -69,10 +69,11 @@ class DecodeGraphs:
     def fits(self, n: int) -> bool:
         return bool(self.sizes) and n <= self.sizes[-1]
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], after=None) -> torch.Tensor:
+        """Logits of the decode step; `after`: see ModelRunner.prepare_decode."""
         n = len(seqs)
         bs = next(b for b in self.sizes if b >= n)
-        ids, positions, attn = self.runner.prepare_decode(seqs)
+        ids, positions, attn = self.runner.prepare_decode(seqs, after)
         w = attn.block_table.shape[1]
         width = next(x for x in self.widths if x >= w)
         self.input_ids[:n] = ids

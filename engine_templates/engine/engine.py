@@ -1,4 +1,29 @@
-"""LLMEngine: requests in, tokens out. step() = schedule -> run -> postprocess."""
+"""LLMEngine: requests in, tokens out. step() = schedule -> run -> postprocess.
+
+Async decode (EngineConfig.async_decode, on by default): the host's part of a decode step
+(scheduling, building inputs, launching, reading the tokens back, postprocess) runs while the
+device computes the previous step, instead of the device idling while it runs. In steady decoding,
+step() queues the decode step N+1 behind step N before reading N's tokens, then reads them and
+postprocesses while N+1 computes; it returns N's sequences, so each token is delivered as soon
+as it is known, and the next call does the same with N+1 in flight. N+1 is fully known on the
+host without N's tokens: its sequences are N's (Scheduler.schedule_ahead), each one token
+longer, so positions, cache slots and block tables are built ahead and its blocks allocated
+before N's result; only its input ids are N's tokens, gathered per row on the device into the
+graph's static input buffer (ModelRunner.prepare_decode). A sequence known to end with N's
+token (max_tokens, the model length) is left out of N+1; one that ends unforeseen (EOS, a stop
+token or string) or is aborted meanwhile keeps its row in N+1, and that row is discarded: its
+token never appended, its blocks freed at once (the device runs steps in order, so a later step
+that reuses them runs after N+1). Tokens and log-probabilities per sequence are the same as
+synchronously, for greedy and seeded sampling; unseeded sampling draws from the engine's one
+generator per row, so a discarded row shifts the later draws.
+
+It is used only for pure decode steps on the CUDA graph path (DecodeGraphs, run without capture
+on a CPU in the tests). Every other step is the plain synchronous one, scheduled after the
+previous step's tokens are in: a prefill or mixed step, an eager decode, and whenever the next
+step might differ from `schedule`'s (a prompt waiting with a free place in the batch, a prompt
+mid-way, a preemption: Scheduler.schedule_ahead). Sampling needs nothing from the host that is
+not known ahead (the per-request settings, the chosen token's log-probability computed always).
+"""
 from __future__ import annotations
 
 import logging
@@ -8,7 +33,7 @@ import torch
 from engine_templates.engine.block_manager import BlockManager
 from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.kernels import KernelSet
-from engine_templates.engine.model_runner import ModelRunner
+from engine_templates.engine.model_runner import LaunchedStep, ModelRunner
 from engine_templates.engine.scheduler import Scheduler
 from engine_templates.engine.sequence import SamplingParams, Sequence, Status
 from engine_templates.engine.tokenizer import Tokenizer
@@ -38,6 +63,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.largest_batch = 0  # the most sequences one step has run: evidence of batching
+        self._in_flight: LaunchedStep | None = None  # async decode: queued, tokens not read yet
+        self.steps_ahead = 0  # decode steps queued before the previous step's tokens were read
+        self.rows_discarded = 0  # rows of such steps whose sequence had ended meanwhile
         log.info("engine kernels: %s", self.kernels.choices)
 
     @property
@@ -64,20 +92,40 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """One model step; returns the sequences that got a token (finished ones included)."""
-        seqs, is_prefill = self.scheduler.schedule()
+        """One model step; returns the sequences that got a token (finished ones included). With
+        async decode the step may have been queued by the call before, and the next one is
+        queued before this one's tokens are read (module docstring)."""
+        step = self._in_flight
+        if step is None:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                return []
+            self.largest_batch = max(self.largest_batch, len(seqs))
+            step = self.runner.launch(seqs, is_prefill)
+        self._in_flight = self._launch_ahead(step)
+        return self.postprocess(step.seqs, step.results())
+
+    def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
+        """The decode step after `step`, queued before `step`'s tokens are read; None: the next
+        step is scheduled once they are in."""
+        if not (self.config.async_decode and step.on_graph_path):
+            return None
+        seqs = self.scheduler.schedule_ahead(step.seqs, lambda s: self._length_reached(s, s.num_tokens + 1))
         if not seqs:
-            return []
+            return None
         self.largest_batch = max(self.largest_batch, len(seqs))
-        results = self.runner.run(seqs, is_prefill)
-        return self.postprocess(seqs, results)
+        self.steps_ahead += 1
+        return self.runner.launch(seqs, False, after=step)
 
     def postprocess(self, seqs: list[Sequence], results) -> list[Sequence]:
         updated = []
         for seq, result in zip(seqs, results):
+            if seq.is_finished:  # ended (or aborted) while this step was in flight: its row is void
+                self.rows_discarded += 1
+                continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             if result is None:
                 continue
@@ -106,9 +154,14 @@ class LLMEngine:
                 return "stop"
         if stopped_on_token:
             return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self._length_reached(seq, seq.num_tokens):
             return "length"
         return None
+
+    def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` ends when it has `num_tokens` tokens, for want of room."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.config.max_model_len)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[Sequence]:
         """Every prompt to completion, batched; the finished sequences in prompt order."""

@@ -3,7 +3,8 @@
 The engine is not thread-safe, so only this thread touches it: requests and aborts arrive in
 an inbox, and each step's news goes back to the waiting handler as an immutable Update through
 loop.call_soon_threadsafe. While the engine has work the thread steps without waiting; when it
-has none it blocks on the inbox.
+has none it blocks on the inbox. With async decode a step returns the tokens of the step before
+it as soon as they are read, while the next one computes, and they are delivered then.
 """
 from __future__ import annotations
 

@@ -1,5 +1,11 @@
 """Runs the model on a scheduled batch: builds its inputs, owns the KV cache and the CUDA
-graphs, samples on the device, and brings back one small tensor of tokens per step."""
+graphs, samples on the device, and brings back one small tensor of tokens per step.
+
+`launch` queues a step and returns a LaunchedStep without waiting for the device: its tokens
+come back into pinned host memory behind an event, read by `LaunchedStep.results()`. Host
+inputs go up from pinned memory too, so nothing in a decode step on the graph path waits for
+the device, and the next step can be queued behind one still running (async decode, engine.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -11,6 +17,29 @@ from engine_templates.engine.model import AttentionInputs, Qwen3Model
 from engine_templates.engine.sampler import Sampler
 from engine_templates.engine.sequence import Sequence
 from engine_templates.ops.rope import cos_sin_table
+
+
+class LaunchedStep:
+    """A step queued on the device, and where its tokens will be."""
+
+    def __init__(self, seqs: list[Sequence], samples: list[bool], on_graph_path: bool,
+                 tokens: torch.Tensor | None, host: torch.Tensor | None, event: torch.cuda.Event | None):
+        self.seqs = seqs
+        self.samples = samples  # per sequence: whether the step samples its next token
+        self.on_graph_path = on_graph_path  # a decode step through DecodeGraphs: one can be queued behind it
+        self.tokens = tokens  # the sampled tokens, on the device (the input ids of a step queued behind)
+        self.row = {s.seq_id: i for i, s in enumerate(s for s, yes in zip(seqs, samples) if yes)}
+        self._host, self._event = host, event  # tokens and log-probabilities, once the event has passed
+
+    def results(self) -> list[tuple[int, float] | None]:
+        """Per sequence: (next token, its log-probability), or None for a prompt chunk that
+        does not reach the end of its sequence. Waits for the step (only) when it must."""
+        if self._host is None:
+            return [None] * len(self.seqs)
+        if self._event is not None:
+            self._event.synchronize()
+        picked = iter(zip(self._host[0].long().tolist(), self._host[1].tolist()))
+        return [next(picked) if yes else None for yes in self.samples]
 
 
 class ModelRunner:
@@ -63,7 +92,9 @@ class ModelRunner:
         return self._to_device(table, torch.int32)
 
     def _to_device(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        # From pinned memory: a copy from pageable memory may wait for the device to catch up.
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -85,34 +116,54 @@ class ModelRunner:
         return (self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), attn,
                 self._to_device(last, torch.int64))
 
-    def prepare_decode(self, seqs: list[Sequence]):
-        ids = [s.token_ids[-1] for s in seqs]
-        positions = [s.num_tokens - 1 for s in seqs]
-        slots = [self._slots(s, s.num_tokens - 1, s.num_tokens)[0] for s in seqs]
+    def prepare_decode(self, seqs: list[Sequence], after: LaunchedStep | None = None):
+        """Each sequence's last token at its position. With `after` (a decode step still in
+        flight), the last token is the one that step samples: not appended yet, so one position
+        further than `token_ids` says, and taken from that step's tokens on the device."""
+        lengths = [s.num_tokens + (after is not None) for s in seqs]
+        if after is None:
+            ids = self._to_device([s.token_ids[-1] for s in seqs], torch.int64)
+        else:
+            rows = self._to_device([after.row[s.seq_id] for s in seqs], torch.int64)
+            ids = after.tokens.index_select(0, rows)
+        slots = [self._slots(s, n - 1, n)[0] for s, n in zip(seqs, lengths)]
         attn = AttentionInputs(False, self._to_device(slots, torch.int64),
-                               self._to_device([s.num_tokens for s in seqs], torch.int32),
-                               self._block_table(seqs))
-        return self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), attn
+                               self._to_device(lengths, torch.int32), self._block_table(seqs))
+        return ids, self._to_device([n - 1 for n in lengths], torch.int64), attn
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, float] | None]:
+        """The step, waited for: LaunchedStep.results()."""
+        return self.launch(seqs, is_prefill).results()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, float] | None]:
-        """Per sequence: (next token, its log-probability), or None for a prompt chunk that
-        does not reach the end of its sequence."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues the step (sampling included) and returns without waiting for the device.
+        `after`: a decode step on the graph path still in flight, whose tokens are `seqs`' inputs
+        (see prepare_decode); the step then runs on the graph path too."""
+        graphed = not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs))
+        assert after is None or (graphed and after.on_graph_path)
         if is_prefill:
             ids, positions, attn, last = self.prepare_prefill(seqs)
             hidden = self.model.forward(ids, positions, attn)
             logits = self.model.compute_logits(hidden[last])
-        elif self.graphs is not None and self.graphs.fits(len(seqs)):
-            logits = self.graphs.run(seqs)
+        elif graphed:
+            logits = self.graphs.run(seqs, after)
         else:
             ids, positions, attn = self.prepare_decode(seqs)
             logits = self.model.compute_logits(self.model.forward(ids, positions, attn))
-        sampling = [s for s in seqs if s.samples_after_step]
-        rows = [i for i, s in enumerate(seqs) if s.samples_after_step]
-        if not sampling:
-            return [None] * len(seqs)
-        tokens, logprobs = self.sampler(logits[rows] if len(rows) < len(seqs) else logits, sampling)
-        # The step's one device-to-host transfer: tokens (exact in float64) and log-probabilities.
-        host = torch.stack((tokens.double(), logprobs.double())).cpu()
-        picked = iter(zip(host[0].long().tolist(), host[1].tolist()))
-        return [next(picked) if s.samples_after_step else None for s in seqs]
+        samples = [s.samples_after_step for s in seqs]
+        rows = [i for i, yes in enumerate(samples) if yes]
+        if not rows:
+            return LaunchedStep(seqs, samples, graphed, None, None, None)
+        tokens, logprobs = self.sampler(logits[rows] if len(rows) < len(seqs) else logits,
+                                        [seqs[i] for i in rows])
+        # The step's one device-to-host transfer: tokens (exact in float64) and log-probabilities,
+        # into pinned memory, so that it does not wait; the event says when it has landed.
+        out = torch.stack((tokens.double(), logprobs.double()))
+        if self.device.type != "cuda":
+            return LaunchedStep(seqs, samples, graphed, tokens, out, None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(seqs, samples, graphed, tokens, host, event)

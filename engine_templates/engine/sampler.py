@@ -27,7 +27,8 @@ class Sampler:
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        pinned = torch.device(self.device).type == "cuda"  # see ModelRunner._to_device
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]

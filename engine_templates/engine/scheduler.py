@@ -14,6 +14,9 @@ When the cache runs out of blocks for a decode, the most recently admitted seque
 or mid-prompt) is preempted by recomputation: its blocks are freed and it goes back to the
 front of the queue with every token it has, to be prefilled again. A step that preempted
 admits no waiting prompt, so a victim is never back in the step that evicted it.
+
+`schedule_ahead` serves async decode (engine.py): the decode step after one still in flight,
+before its tokens are known, when it is the step `schedule` would give once they are in.
 """
 from __future__ import annotations
 
@@ -71,6 +74,28 @@ class Scheduler:
         if decodes:
             self.mixed_steps_run += 1
         return decodes + chunks, True
+
+    def schedule_ahead(self, in_flight: list[Sequence], finishing) -> list[Sequence]:
+        """The pure decode step after the decode step `in_flight`, whose tokens are not appended
+        yet: every running sequence but those `finishing(seq)` says end with that token, in
+        order, each allocated a cache slot one position past its last token. [] (and nothing
+        allocated) where `schedule` might give another step once the tokens are in: a running
+        sequence not in flight (a prompt mid-way), a waiting prompt with a free place, or too few
+        free blocks (a preemption). A sequence that ends with the token in flight unforeseen
+        (EOS, a stop string) still has its row in the step ahead; the engine discards it."""
+        flying = {s.seq_id for s in in_flight}
+        if any(s.seq_id not in flying for s in self.running):
+            return []
+        batch = [s for s in self.running if not finishing(s)]
+        if self.waiting and len(batch) < self.max_num_seqs:
+            return []
+        bm = self.block_manager
+        if sum(bm.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in batch) > bm.num_free:
+            return []
+        for seq in batch:
+            bm.allocate(seq, seq.num_tokens + 1)
+            seq.num_scheduled_tokens = 1
+        return batch
 
     def _schedule_prefill(self, budget: int, admit: bool) -> list[Sequence]:
         """Prompt chunks up to `budget` tokens: admitted prompts mid-way first, then (if

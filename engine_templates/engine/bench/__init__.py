@@ -43,6 +43,7 @@ class BenchOptions:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     skip_hf: bool = False
     enforce_eager: bool = False  # no CUDA graphs in the timed engine either
+    async_decode: bool = True  # EngineConfig.async_decode of the timed engine
     tolerance: float | None = None  # default: TOLERANCE[dtype]
     block_size: int = 16
     seed: int = 0
@@ -77,7 +78,7 @@ def _engine_config(opts: BenchOptions, variant: str, **extra) -> EngineConfig:
                     max_num_seqs=w.concurrency, max_model_len=length, num_kv_blocks=blocks,
                     max_num_batched_tokens=max(2048, max(w.ttft_lengths)),
                     kernels=opts.kernel_specs.get(variant, {}), enforce_eager=opts.enforce_eager,
-                    seed=opts.seed)
+                    async_decode=opts.async_decode, seed=opts.seed)
     settings.update(extra)
     return EngineConfig(**settings)
 

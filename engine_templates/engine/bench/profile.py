@@ -4,8 +4,9 @@ Three numbers per batch size, each per step: the wall time of `LLMEngine.step()`
 graphs (what `engine bench` times), the device's busy time in that step (the sum of its
 kernels' durations, from the profiler), and the weight-bytes roofline. Then the kernels of an
 eager step (no graphs, so each kernel is named), grouped by name: calls and time per step.
-Wall minus busy is the host's share (scheduling, sampling, the token's copy back); busy minus
-roofline is the kernels' own inefficiency — the table says which.
+Wall minus busy is the host's share (scheduling, sampling, the token's copy back) — with async
+decode (the default; --no-async-decode for without) what of it the device's work does not hide;
+busy minus roofline is the kernels' own inefficiency — the table says which.
 """
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ from engine_templates.models import PRESETS
 from harness.ceilings import measure
 
 
-def _engine(cfg: ModelConfig, weights, kernels, batch: int, context: int, steps: int, eager: bool) -> LLMEngine:
+def _engine(cfg: ModelConfig, weights, kernels, batch: int, context: int, steps: int, eager: bool,
+            async_decode: bool = True) -> LLMEngine:
     length = context + 3 * steps + 16  # room for every step of _start, _wall_us and _kernels
     blocks = batch * (-(-length // 16)) + 1
     return LLMEngine(EngineConfig(model_dir=None, device="cuda", max_num_seqs=batch, max_model_len=length,
                                   num_kv_blocks=blocks, kernels=kernels, enforce_eager=eager,
-                                  cuda_graph_batch_sizes=(batch,)), cfg, weights)
+                                  async_decode=async_decode, cuda_graph_batch_sizes=(batch,)), cfg, weights)
 
 
 def _start(engine: LLMEngine, cfg: ModelConfig, batch: int, context: int, steps: int) -> None:
@@ -80,16 +82,16 @@ def _wall_us(engine: LLMEngine, steps: int) -> float:
 
 
 def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], context: int, steps: int,
-                   top: int, out=sys.stdout) -> None:
+                   top: int, out=sys.stdout, async_decode: bool = True) -> None:
     cfg = ModelConfig.from_preset(PRESETS[preset])
     kernels = parse_kernels_file(kernels_file) if kernels_file else {}
     weights = random_weights(cfg, torch.bfloat16, "cuda")
     copy_gbs = measure("cuda")["copy_bytes_per_s"] / 1e9
     print(f"## {preset}: {torch.cuda.get_device_name()}, kernels {kernels_file or 'eager'}, context {context}, "
-          f"copy bandwidth {copy_gbs:.0f} GB/s", file=out)
+          f"copy bandwidth {copy_gbs:.0f} GB/s, async decode {'on' if async_decode else 'off'}", file=out)
     for batch in batches:
         roof_us = weight_bytes(cfg, batch, 2) / (copy_gbs * 1e9) * 1e6
-        graphed = _engine(cfg, weights, kernels, batch, context, steps, eager=False)
+        graphed = _engine(cfg, weights, kernels, batch, context, steps, eager=False, async_decode=async_decode)
         _start(graphed, cfg, batch, context, steps)
         wall = _wall_us(graphed, steps)
         busy_names, _ = _kernels(graphed, steps)
@@ -143,5 +145,6 @@ def run(args) -> int:
         print("engine profile: needs a CUDA GPU (it profiles device kernels)", file=sys.stderr)
         return 2
     for preset in presets:  # a bad kernels file is an EngineSetupError: one line from the CLI
-        profile_preset(preset, args.kernels, batches, args.context, args.steps, args.top)
+        profile_preset(preset, args.kernels, batches, args.context, args.steps, args.top,
+                       async_decode=args.async_decode)
     return 0
