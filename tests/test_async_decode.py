@@ -165,3 +165,24 @@ def test_an_abort_mid_stream_through_the_engine_thread():
     assert aborted.completion_token_ids[:16] == expected[1].completion_token_ids[:aborted.num_completion_tokens]
     assert eng.steps_ahead > 0 and eng.rows_discarded == 1 and eng._in_flight is None
     assert eng.scheduler.block_manager.num_free == eng.runner.num_blocks
+
+
+@pytest.mark.parametrize("async_decode", [False, True])
+def test_a_sequence_that_fills_the_whole_cache_ends_with_length(async_decode):
+    # 8 blocks of 4 positions: the prompt fits, its answer cannot. Preempting it (the only
+    # sequence) would bring it back to the same point forever; it ends where the cache does,
+    # and the step that ends it reports it, so a server answers the request.
+    eng = engine("dense", async_decode, num_kv_blocks=8)
+    prompt = list(range(3, 23))  # 20 token ids
+    short = eng.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    seq = eng.add_request(prompt, SamplingParams(max_tokens=100, ignore_eos=True))
+    reported = []
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        reported += eng.step()
+    assert not eng.has_unfinished()
+    assert short.finish_reason == "length" and short.num_completion_tokens == 3
+    assert seq.finish_reason == "length" and seq in reported
+    assert seq.num_tokens == 8 * 4 + 1  # the token that would need a ninth block is its last
+    assert eng.scheduler.block_manager.num_free == 8

@@ -101,12 +101,15 @@ class LLMEngine:
         step = self._in_flight
         if step is None:
             seqs, is_prefill = self.scheduler.schedule()
+            ended = self.scheduler.take_ended()  # finished for want of cache: reported now
             if not seqs:
-                return []
+                return ended
             self.largest_batch = max(self.largest_batch, len(seqs))
             step = self.runner.launch(seqs, is_prefill)
+        else:
+            ended = []
         self._in_flight = self._launch_ahead(step)
-        return self.postprocess(step.seqs, step.results())
+        return ended + self.postprocess(step.seqs, step.results())
 
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, queued before `step`'s tokens are read; None: the next

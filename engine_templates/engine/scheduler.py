@@ -13,7 +13,9 @@ to the budget) or decode: while any prompt has tokens left, decodes wait.
 When the cache runs out of blocks for a decode, the most recently admitted sequence (decoding
 or mid-prompt) is preempted by recomputation: its blocks are freed and it goes back to the
 front of the queue with every token it has, to be prefilled again. A step that preempted
-admits no waiting prompt, so a victim is never back in the step that evicted it.
+admits no waiting prompt, so a victim is never back in the step that evicted it. A decoding
+sequence that alone needs more blocks than the cache has is not preempted (it would come back to
+the same point forever): it finishes with "length", reported by the engine's next step.
 
 `schedule_ahead` serves async decode (engine.py): the decode step after one still in flight,
 before its tokens are known, when it is the step `schedule` would give once they are in.
@@ -37,6 +39,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Finished by the scheduler itself (a sequence that has filled the whole cache), for
+        # the engine to report with its step's sequences: take_ended()
+        self._ended: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         if self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
@@ -55,6 +60,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def take_ended(self) -> list[Sequence]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """(sequences with num_scheduled_tokens set, is_prefill); empty when there is no work.
@@ -130,6 +139,12 @@ class Scheduler:
                 continue  # preempted below while making room for an earlier one
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # mid-way through a chunked prompt: not decoding
+            if self.block_manager.blocks_for(seq.num_tokens) > self.block_manager.num_blocks:
+                # Even alone it cannot have a slot for its next token: preempting it would
+                # bring it back to the same point forever. It ends where the cache does.
+                self.finish(seq, "length")
+                self._ended.append(seq)
+                continue
             while not self.block_manager.can_allocate(seq, seq.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
