@@ -3,7 +3,7 @@
 # package index: installs the carried controller wheels (infra/controller_wheels.sh), runs
 # `infersmith optimize` for each op and model, and leaves the tracking store and a report.
 # Usage (repo root, wheels in .whl/):
-#   OUT=dir [RESTORE=home.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
+#   OUT=dir [RESTORE=home.tgz] [ARCHIVE=file.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
 # OP_TIMEOUT: one op's wall-clock budget (no candidate starts that would end after it); a
 # stage still running HARD_MARGIN (180) s later is interrupted. Finished candidates stay tracked.
 # EXTRA: more `infersmith optimize` options, e.g. EXTRA="--decode-batches 1,32".
@@ -11,6 +11,7 @@ set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
+trap pack_home EXIT  # also when a time limit interrupts the run: what finished comes back
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/bench.log"
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
     for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
