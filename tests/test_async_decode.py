@@ -186,3 +186,36 @@ def test_a_sequence_that_fills_the_whole_cache_ends_with_length(async_decode):
     assert seq.finish_reason == "length" and seq in reported
     assert seq.num_tokens == 8 * 4 + 1  # the token that would need a ninth block is its last
     assert eng.scheduler.block_manager.num_free == 8
+
+
+def test_a_prompt_waiting_for_cache_blocks_does_not_stop_the_overlap():
+    # A cache one block short of the long prompt beside two decoding sequences: it waits until
+    # they end. Meanwhile the synchronous scheduler runs the same pure
+    # decode steps, so those steps go ahead; the answers are the same.
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    work = [(PROMPTS[1], params), (PROMPTS[0], params), (PROMPTS[2], params)]
+    probe = engine("dense", False)
+    bm = probe.scheduler.block_manager
+    lengths = [len(probe.tokenizer.encode(p)) for p, _ in work]
+    # the two hold their blocks for 2 more tokens when the long prompt arrives (after 2 steps)
+    cache = bm.blocks_for(lengths[0] + 2) + bm.blocks_for(lengths[1] + 2) + bm.blocks_for(lengths[2]) - 1
+
+    def staggered(eng: LLMEngine) -> tuple[list[Sequence], int]:
+        first = [eng.add_request(p, q) for p, q in work[:2]]
+        for _ in range(2):
+            eng.step()
+        late = eng.add_request(*work[2])
+        before = eng.steps_ahead
+        while late.status.name == "WAITING" and eng.has_unfinished():
+            eng.step()
+        ahead_while_waiting = eng.steps_ahead - before
+        while eng.has_unfinished():
+            eng.step()
+        return first + [late], ahead_while_waiting
+
+    sync, overlapped = engine("dense", False, num_kv_blocks=cache), engine("dense", True, num_kv_blocks=cache)
+    expected, _ = staggered(sync)
+    got, ahead = staggered(overlapped)
+    assert_same(got, expected)
+    assert ahead > 0
+    assert overlapped.scheduler.block_manager.num_free == cache

@@ -229,6 +229,19 @@ def test_free_kernel_file_is_loaded(tmp_path):
     assert eng.kernels.silu_mul.__module__ == "infersmith_kernel_silu_mul"
 
 
+def test_a_kernels_file_naming_a_retired_op_loads_with_a_warning(tmp_path, caplog):
+    from engine_templates.engine.kernels import KernelSet
+
+    # rope: the engine's op until qk_norm_rope took its work; old files and tracked candidates name it
+    (tmp_path / "k.json").write_text(json.dumps({"rope": {"impl": "template", "template": "rows"},
+                                                 "silu_mul": {"impl": "eager"}}))
+    with caplog.at_level("WARNING", logger="infersmith.engine"):
+        specs = parse_kernels_file(tmp_path / "k.json")
+        kernels = KernelSet({**specs, "rope": KernelSpec(impl="eager")})
+    assert set(specs) == {"silu_mul"} and "rope" not in kernels.choices
+    assert sum("no longer calls rope" in r.getMessage() for r in caplog.records) == 2
+
+
 @pytest.mark.parametrize("content, message", [
     ("{", "not valid JSON"),
     ('{"matmul": {"impl": "eager"}}', "not an op the engine uses"),

@@ -171,6 +171,8 @@ class LLMEngine:
         seqs = [self.add_request(p, params) for p in prompts]
         while any(not s.is_finished for s in seqs):
             self.step()
+        if self._in_flight is not None and not self.scheduler.has_work():
+            self.step()  # a step queued ahead whose rows all ended: waited for, nothing left in flight
         return seqs
 
 

@@ -165,5 +165,5 @@ class ModelRunner:
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         host.copy_(out, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the copy's stream, whichever device is current
         return LaunchedStep(seqs, samples, graphed, tokens, host, event)

@@ -89,18 +89,26 @@ class Scheduler:
         yet: every running sequence but those `finishing(seq)` says end with that token, in
         order, each allocated a cache slot one position past its last token. [] (and nothing
         allocated) where `schedule` might give another step once the tokens are in: a running
-        sequence not in flight (a prompt mid-way), a waiting prompt with a free place, or too few
-        free blocks (a preemption). A sequence that ends with the token in flight unforeseen
+        sequence not in flight (a prompt mid-way), a waiting prompt with a free place and the
+        blocks to be admitted, or too few free blocks (a preemption). A sequence that ends with the token in flight unforeseen
         (EOS, a stop string) still has its row in the step ahead; the engine discards it."""
         flying = {s.seq_id for s in in_flight}
         if any(s.seq_id not in flying for s in self.running):
             return []
         batch = [s for s in self.running if not finishing(s)]
-        if self.waiting and len(batch) < self.max_num_seqs:
-            return []
         bm = self.block_manager
-        if sum(bm.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in batch) > bm.num_free:
+        need = sum(bm.blocks_for(s.num_tokens + 1) - len(s.block_table) for s in batch)
+        if need > bm.num_free:
             return []
+        if self.waiting and len(batch) < self.max_num_seqs:
+            # `schedule` would admit the first waiting prompt only if its blocks are free after
+            # the decodes' (those ending with the token in flight give theirs back): if not, its
+            # step is this same pure decode step, and it can go ahead.
+            head = self.waiting[0]
+            freed = sum(len(s.block_table) for s in self.running if finishing(s))
+            taken = need if self.mixed_steps else 0  # without mixed steps a prompt goes before decodes
+            if bm.blocks_for(head.num_tokens) - len(head.block_table) <= bm.num_free + freed - taken:
+                return []
         for seq in batch:
             bm.allocate(seq, seq.num_tokens + 1)
             seq.num_scheduled_tokens = 1

@@ -62,6 +62,7 @@ def build(tokens_per_program: int, heads_per_program: int, num_warps: int):
         head_dim = q_norm.shape[0]
         assert width == (q_heads + 2 * kv_heads) * head_dim and head_dim % 2 == 0
         assert qkv.stride(1) == 1 and q_norm.is_contiguous() and k_norm.is_contiguous()
+        assert q_norm.dtype == k_norm.dtype, "one kernel picks either weight: q_norm and k_norm in one dtype"
         assert cos_sin.dtype == torch.float32 and cos_sin.shape[1] == head_dim and cos_sin.stride(1) == 1
         q = torch.empty((tokens, q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
         k = torch.empty((tokens, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
