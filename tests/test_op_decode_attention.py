@@ -32,6 +32,8 @@ POINTS = [
     {"num_splits": 8, "block_n": 16, "num_warps": 2, "num_stages": 1},
     # a tile longer than every context here, spanning many 16-position blocks
     {"num_splits": 2, "block_n": 128, "num_warps": 8, "num_stages": 3},
+    # the count chosen per call from the shapes (here 1 or 2: the interpreter counts 4 SMs)
+    {"num_splits": 0, "block_n": 16, "num_warps": 4, "num_stages": 1},
 ]
 # The interpreter pays per program (batch x kv_heads x num_splits), so the checks below stay
 # on small batches and short contexts; what the sizes exercise is what matters.
@@ -165,6 +167,19 @@ def test_template_point_passes_the_harness_check(point, dtype):
         args = draw(shape, dtype, i, dist)
         result = check_call(OP, fn, args, dtype, DEVICE, RTOL[dtype])  # also: inputs unchanged
         assert result.ok, f"{shape.label} ({dist}): {result.gate} {result.detail}"
+
+
+def test_auto_splits_fill_the_gpu_for_one_sequence_and_step_aside_for_a_batch():
+    from engine_templates.ops.decode_attention.templates import auto_splits
+
+    # H200: 132 SMs; qwen3-8b: 8 kv heads, 64-position tiles
+    assert auto_splits(1, 8, 4096, 64, 132) == 64  # 33 programs per pair wanted, 64 tiles
+    assert auto_splits(1, 8, 32768, 64, 132) == 64  # capped
+    assert auto_splits(32, 8, 4096, 64, 132) == 2
+    assert auto_splits(128, 8, 32768, 64, 132) == 1
+    assert auto_splits(1, 8, 100, 64, 132) == 2  # no more splits than the two tiles
+    assert auto_splits(1, 8, 200, 64, 132) == 4  # 200 positions: 4 tiles, 4 splits
+    assert auto_splits(1, 8, 400, 64, 132) == 4  # 7 tiles: the power of two below, 4
 
 
 def test_empty_splits_are_exercised():

@@ -5,7 +5,9 @@ the whole group of q heads that share it, so every K/V tile is loaded once for t
 sequence's tiles of BLOCK_N positions are dealt out evenly to the splits; each split runs an
 online softmax over its tiles and writes (running max, sum of exponentials, unnormalized
 output) to a float32 workspace. Pass 2, grid (batch, q_heads), rescales and combines the splits.
-With num_splits == 1 pass 1 normalizes and writes the output itself and pass 2 is skipped.
+With num_splits == 1 pass 1 normalizes and writes the output itself and pass 2 is skipped;
+num_splits == 0 chooses the count per call from the shapes (auto_splits): many splits for a
+lone long sequence, one for a large batch, where a fixed count fits one end or the other.
 
 Paged caches are read through one block-table lookup per position, so any block size works
 with any BLOCK_N (a tile may cover part of a block or many blocks, SGLang's block size 1
@@ -21,6 +23,7 @@ so the GPU keeps the native bf16/fp16 dot. Both paths were checked there at bf16
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -123,6 +126,29 @@ def _split_kv_combine(M_WS, L_WS, ACC_WS, O, stride_ob, stride_oh,
              mask=d < HEAD_DIM)
 
 
+AUTO_MAX_SPLITS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU (a CPU under the interpreter: 4, a token figure)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_splits(batch: int, kv_heads: int, positions: int, block_n: int, sms: int) -> int:
+    """num_splits = 0: about two programs per SM over the (sequence, kv head) pairs, a power of
+    two (the combine pass's tl.arange), at most one split per tile of the longest sequence the
+    cache can hold, at most AUTO_MAX_SPLITS. From shapes only (no host sync: the sequence lengths
+    stay on the device), so a CUDA graph captures one count per shape; splits past a shorter
+    sequence's tiles run no iteration."""
+    wanted = triton.next_power_of_2(-(-2 * sms // (batch * kv_heads)))
+    tiles = max(1, -(-positions // block_n))
+    most = 1 << (tiles.bit_length() - 1)  # the largest power of two <= tiles
+    return max(1, min(wanted, most, AUTO_MAX_SPLITS))
+
+
 def build(num_splits: int, block_n: int, num_warps: int, num_stages: int):
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          seq_lens: torch.Tensor, block_table: torch.Tensor | None,
@@ -140,31 +166,36 @@ def build(num_splits: int, block_n: int, num_warps: int, num_stages: int):
             assert block_table.stride(1) == 1
         else:
             assert k_cache.shape[0] == batch, "contiguous cache: one row of the cache per sequence"
+        if num_splits:
+            splits = num_splits
+        else:
+            positions = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+            splits = auto_splits(batch, kv_heads, positions, block_n, _sm_count(q.device))
         group = q_heads // kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
         dim_pad = max(16, triton.next_power_of_2(head_dim))
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
         out = torch.empty((batch, q_heads, head_dim), dtype=q.dtype, device=q.device)
-        if num_splits == 1:
+        if splits == 1:
             m_ws = l_ws = acc_ws = out  # unused: pass 1 writes the output
         else:
-            m_ws = torch.empty((batch, q_heads, num_splits), dtype=torch.float32, device=q.device)
+            m_ws = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
             l_ws = torch.empty_like(m_ws)
-            acc_ws = torch.empty((batch, q_heads, num_splits, dim_pad), dtype=torch.float32,
+            acc_ws = torch.empty((batch, q_heads, splits, dim_pad), dtype=torch.float32,
                                  device=q.device)
-        _split_kv_partial[(batch, kv_heads, num_splits)](
+        _split_kv_partial[(batch, kv_heads, splits)](
             q, k_cache, v_cache, seq_lens, block_table if paged else seq_lens, out,
             m_ws, l_ws, acc_ws, scale * LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0) if paged else 0, out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_N=block_n,
-            NUM_SPLITS=num_splits, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
+            NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
             PRECISION=precision, UPCAST=UPCAST, num_warps=num_warps, num_stages=num_stages)
-        if num_splits > 1:
+        if splits > 1:
             _split_kv_combine[(batch, q_heads)](m_ws, l_ws, acc_ws, out, out.stride(0), out.stride(1),
                                                 HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                                                NUM_SPLITS=num_splits, num_warps=1)
+                                                NUM_SPLITS=splits, num_warps=1)
         return out
 
     return decode_attention
