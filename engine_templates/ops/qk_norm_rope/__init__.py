@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
-from engine_templates.ops.rmsnorm import token_shapes
-from engine_templates.ops.rope import MAX_POSITIONS, _rotate, cos_sin_table
-from harness.job import Shape
+from engine_templates.ops.rope import MAX_POSITIONS, HeadShapes, _rotate, cos_sin_table
 
 HEADS_TEMPLATE = Template(
     name="heads",
@@ -39,7 +36,7 @@ def split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int):
             v.view(tokens, kv_heads, head_dim))
 
 
-class QKNormRope(Op):
+class QKNormRope(HeadShapes, Op):
     name = "qk_norm_rope"
     signature = "qk_norm_rope(qkv, q_heads, kv_heads, q_norm, k_norm, eps, cos_sin, positions)"
     persistent = ("q_norm", "k_norm", "cos_sin")  # weights and the table, built once at load
@@ -47,17 +44,6 @@ class QKNormRope(Op):
                "q_norm/k_norm[head_dim], rotated by cos_sin[positions] -> q, k (two new tensors)")
     n_outputs = 2
     templates = {HEADS_TEMPLATE.name: HEADS_TEMPLATE}
-
-    @staticmethod
-    def _dims(model: ModelDims) -> dict[str, int]:
-        return {"q_heads": model.heads, "kv_heads": model.kv_heads, "head_dim": model.head_dim}
-
-    def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
-        return token_shapes(self._dims(model), decode_batches, prefill_tokens)
-
-    def odd_shapes(self, model: ModelDims):
-        return [Shape("odd_3tokens", {"tokens": 3, **self._dims(model)}),
-                Shape("odd_heads", {"tokens": 11, "q_heads": 6, "kv_heads": 3, "head_dim": 24})]
 
     def inputs(self, shape, dtype, device, gen, dist):
         d = shape.dims

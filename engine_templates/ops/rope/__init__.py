@@ -47,14 +47,9 @@ def _rotate(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class Rope(Op):
-    name = "rope"
-    signature = "rope(q, k, cos_sin, positions)"
-    persistent = ("cos_sin",)  # built once from rope_theta
-    summary = ("q[tokens, q_heads, head_dim], k[tokens, kv_heads, head_dim] rotated by "
-               "cos_sin[positions] -> two new tensors like q and k")
-    n_outputs = 2
-    templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
+class HeadShapes:
+    """Shapes of an op over q and k heads per token (rope, qk_norm_rope): the model's head counts,
+    the workload's decode batches and prefill lengths as token counts, and two odd ones."""
 
     @staticmethod
     def _dims(model: ModelDims) -> dict[str, int]:
@@ -66,6 +61,16 @@ class Rope(Op):
     def odd_shapes(self, model: ModelDims):
         return [Shape("odd_3tokens", {"tokens": 3, **self._dims(model)}),
                 Shape("odd_heads", {"tokens": 11, "q_heads": 6, "kv_heads": 3, "head_dim": 24})]
+
+
+class Rope(HeadShapes, Op):
+    name = "rope"
+    signature = "rope(q, k, cos_sin, positions)"
+    persistent = ("cos_sin",)  # built once from rope_theta
+    summary = ("q[tokens, q_heads, head_dim], k[tokens, kv_heads, head_dim] rotated by "
+               "cos_sin[positions] -> two new tensors like q and k")
+    n_outputs = 2
+    templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
 
     def inputs(self, shape, dtype, device, gen, dist):
         d = shape.dims
