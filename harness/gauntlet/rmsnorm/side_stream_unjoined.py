@@ -5,8 +5,11 @@
 # The gauntlet's shapes are the tiny model's, where an RMSNorm's own kernels take less device
 # time than launching them (then events on an idle caller stream measure the host and nothing is
 # hidden: the first H200 run of this case, 2026-12-03, passed for that reason). So the side
-# stream also runs a 4096 x 4096 matmul per call: the device work a large shape's kernel would
-# be, left where the caller's events do not see it.
+# stream also runs 4096 x 4096 matmuls per call: the device work a large shape's kernel would
+# be, left where the caller's events do not see it. One matmul (~0.2 ms) passed too (second
+# run): the cross-check tolerates 1.5x the events' time + 40 us, and the events of a call that
+# launches a dozen kernels from Python measure ~0.1 ms of host time; eight (~1.5 ms) are far
+# past that tolerance.
 import torch
 
 _side = []
@@ -22,7 +25,8 @@ def rmsnorm(x, weight, eps):
     side.wait_stream(torch.cuda.current_stream())
     y = torch.empty_like(x)
     with torch.cuda.stream(side):
-        torch.mm(a, a, out=scratch)  # ~0.2 ms of device time, far above the call's launch cost
+        for _ in range(8):  # ~1.5 ms of device time, far above the call's launch cost
+            torch.mm(a, a, out=scratch)
         h = x.float()
         y.copy_(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float())
     return y
