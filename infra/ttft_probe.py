@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine_templates.engine.config import EngineConfig, ModelConfig
+from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.engine_loop import EngineLoop, Request
 from engine_templates.engine.kernels import parse_kernels_file
@@ -116,8 +116,13 @@ def main() -> int:
     p.add_argument("--idle", type=float, default=0.5)
     p.add_argument("--max-model-len", type=int, default=40960)
     args = p.parse_args()
+    if args.tokens < 1 or args.reps < 1 or args.idle < 0 or args.max_model_len <= args.tokens + 8:
+        p.error("--tokens and --reps at least 1, --idle not negative, --max-model-len above --tokens + 8")
     cfg = ModelConfig.from_preset(PRESETS[args.preset])
-    kernels = parse_kernels_file(args.kernels)
+    try:
+        kernels = parse_kernels_file(args.kernels)
+    except EngineSetupError as e:
+        p.error(str(e))
     weights = random_weights(cfg, torch.bfloat16, DEVICE)
     print(f"{args.preset} on {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, kernels {args.kernels}, {args.tokens} prompt tokens",
           flush=True)
