@@ -90,8 +90,9 @@ class Scheduler:
         order, each allocated a cache slot one position past its last token. [] (and nothing
         allocated) where `schedule` might give another step once the tokens are in: a running
         sequence not in flight (a prompt mid-way), a waiting prompt with a free place and the
-        blocks to be admitted, or too few free blocks (a preemption). A sequence that ends with the token in flight unforeseen
-        (EOS, a stop string) still has its row in the step ahead; the engine discards it."""
+        blocks to be admitted, or too few free blocks (a preemption). A sequence that ends with
+        the token in flight unforeseen (EOS, a stop string) still has its row in the step ahead;
+        the engine discards it."""
         flying = {s.seq_id for s in in_flight}
         if any(s.seq_id not in flying for s in self.running):
             return []
