@@ -14,7 +14,7 @@ from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.kernels import KernelSet
 from engine_templates.engine.loader import load_weights
 from engine_templates.engine.model import AttentionInputs, Qwen3Model
-from engine_templates.engine.sampler import Sampler
+from engine_templates.engine.sampler import Sampler, to_device
 from engine_templates.engine.sequence import Sequence
 from engine_templates.ops.rope import cos_sin_table
 
@@ -92,9 +92,7 @@ class ModelRunner:
         return self._to_device(table, torch.int32)
 
     def _to_device(self, values, dtype) -> torch.Tensor:
-        # From pinned memory: a copy from pageable memory may wait for the device to catch up.
-        pinned = self.device.type == "cuda"
-        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size

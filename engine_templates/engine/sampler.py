@@ -12,6 +12,14 @@ import torch
 from engine_templates.engine.sequence import Sequence
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values on the device without waiting: the copy goes up from pinned memory on a GPU
+    (from pageable memory a copy may wait for the device to catch up, which would stall async
+    decode, engine.py)."""
+    pinned = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: str, seed: int):
         self.device = device
@@ -27,8 +35,7 @@ class Sampler:
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        pinned = torch.device(self.device).type == "cuda"  # see ModelRunner._to_device
-        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab = logits.shape[1]
