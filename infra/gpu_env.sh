@@ -12,9 +12,4 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 PRE
 export INFERSMITH_HOME=${INFERSMITH_HOME:-/tmp/infersmith-home} PREFECT_SERVER_ANALYTICS_ENABLED=false
 # RESTORE: a home.tgz from an earlier call, so that runs accumulate in one tracking store.
 if [ -n "${RESTORE:-}" ] && [ -f "$RESTORE" ]; then tar xzf "$RESTORE" -C "$(dirname "$INFERSMITH_HOME")"; fi
-# ARCHIVE: one file to leave everything in `out` in as well (tar.gz), rewritten each time: a
-# device that returns only a few files per call (the lent H200: 8) gets one that holds them all.
-pack_home() {
-    tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")"
-    if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE.part" -C "$out" . && mv "$ARCHIVE.part" "$ARCHIVE"; fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/pack_home.sh"
