@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tracking.errors import TrackingStoreError
+
 USAGE_ERROR = 2
 
 
@@ -555,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return USAGE_ERROR
+    except TrackingStoreError as e:
+        print(f"infersmith: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("infersmith: interrupted; finished candidates are in MLflow", file=sys.stderr)
         return 130

@@ -3,7 +3,7 @@
 # running the controller there (`infersmith optimize`, `serve-bench` with local Prefect and MLflow,
 # and AIPerf, the end-to-end stage's load generator) needs.
 # Packages the host already has (its `pip list`, one name a line, in HAVE) are left out.
-# Usage: HAVE=host-packages.txt bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
+# Usage: HAVE=host-packages.txt [PYTHON=.venv/bin/python] bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
 set -euo pipefail
 out=${1:?usage: controller_wheels.sh OUT_DIR [PYTHON_VERSION]}
 pyver=${2:-3.12}
@@ -12,8 +12,18 @@ plats=()
 for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
     plats+=(--platform "${p}_x86_64")
 done
+# MLflow at this environment's version (PYTHON: default the checkout's .venv, else python3): the
+# host's tracking store comes back here, and MLflow opens only a store of its own schema.
+py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+if v=$("$py" -c 'import mlflow; print(mlflow.__version__)' 2>/dev/null); then
+    mlflow_req="mlflow-skinny==$v"
+else
+    mlflow_req="mlflow-skinny>=3.1,<4"
+    echo "controller_wheels: no mlflow in $py; the host gets the newest mlflow-skinny, whose store this" \
+         "environment may not open (set PYTHON to the controller's python)" >&2
+fi
 python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
-    "${plats[@]}" -d "$all" "prefect>=3.4,<4" "mlflow-skinny>=3.1,<4" "sqlalchemy>=2" alembic \
+    "${plats[@]}" -d "$all" "prefect>=3.4,<4" "$mlflow_req" "sqlalchemy>=2" alembic \
     sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "aiperf>=0.13,<0.14"
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }

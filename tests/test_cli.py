@@ -65,3 +65,25 @@ def test_the_installed_command_refuses_bad_input_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "optimize", "--op", "rmsnorm", "--model", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_path):
+    # What a GPU host's store looks like here when its wheels had a newer mlflow-skinny. In
+    # subprocesses: MLflow keeps an opened store for the process's life.
+    import os
+    import sqlite3
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"INFERSMITH_HOME": str(tmp_path)}
+
+    def leaderboard():
+        return subprocess.run([sys.executable, "-m", "flows.cli", "leaderboard", "--op", "rmsnorm"],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    first = leaderboard()  # creates the store at this MLflow's schema
+    assert first.returncode == 0, first.stderr
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = 'f4a9b2c7d1e6'")
+    done = leaderboard()
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert "has database schema f4a9b2c7d1e6" in done.stderr and "controller_wheels.sh" in done.stderr

@@ -6,11 +6,14 @@ Resolved once at the edge (CLI or flow entry) into a TrackingConfig; deep code t
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 from mlflow.tracking import MlflowClient
+
+from tracking.errors import TrackingStoreError
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,19 @@ class TrackingConfig:
 
 def client(cfg: TrackingConfig) -> MlflowClient:
     mlflow.set_tracking_uri(cfg.uri)
-    return MlflowClient(tracking_uri=cfg.uri)
+    try:  # the client opens the store: a store from another MLflow fails here, in one line
+        return MlflowClient(tracking_uri=cfg.uri)
+    except mlflow.exceptions.MlflowException as e:
+        found = re.search(r"found version (\w+), but expected (\w+)", str(e))
+        if found is None:
+            raise
+        raise TrackingStoreError(
+            f"the tracking store {cfg.uri} has database schema {found[1]}, this MLflow "
+            f"({mlflow.__version__}) expects {found[2]}: another MLflow version wrote it. Open it "
+            "with the version that wrote it (for a GPU host's store, make the host's wheels with "
+            "infra/controller_wheels.sh from this environment, which pins this version), or convert "
+            "it once with `mlflow db upgrade URI` (an older MLflow cannot open it afterwards)"
+        ) from None
 
 
 def experiment_id(c: MlflowClient, cfg: TrackingConfig, op: str) -> str:
