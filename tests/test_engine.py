@@ -219,6 +219,83 @@ def test_moe_template_kernel_gives_transformers_greedy_tokens(tmp_path):
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
 
 
+def test_moe_template_hands_prefill_over_its_token_limit_to_the_eager_grouped_path(caplog):
+    """With the decode-shaped gemv template chosen, a bf16 call of more tokens than the template's
+    MAX_TOKENS runs the op's eager (its grouped path), a decode-sized one the template; greedy
+    tokens stay transformers' and those of the template run on every call."""
+    from engine_templates.engine.config import EngineConfig
+    from engine_templates.engine.kernels import MoEPrefillRoute
+    from engine_templates.engine.oracle import HFOracle
+    from engine_templates.ops.fused_moe import grouped_mm_device
+    from engine_templates.ops.fused_moe.templates import MAX_TOKENS
+
+    if not grouped_mm_device(torch.device("cpu")):
+        pytest.skip("this torch has no CPU torch._grouped_mm")
+    assert MAX_TOKENS == max(EngineConfig().cuda_graph_batch_sizes)
+    # one program per (token, slot) pair in each pass at hidden 64, intermediate 32: the interpreter's cost
+    point = {"block_i": 32, "block_h": 64, "block_o": 64, "block_k": 32, "num_warps": 1}
+    gemv = {"fused_moe": KernelSpec(impl="template", template="gemv", point=point)}
+    with caplog.at_level("INFO", logger="infersmith.engine"):
+        eng = engine("moe", "bf16", max_num_seqs=2, max_num_batched_tokens=256, kernels=gemv)
+    assert sum("grouped GEMMs" in r.getMessage() for r in caplog.records) == 1
+    assert eng.kernel_choices["fused_moe"]["prefill"] == {"impl": "eager", "path": "grouped",
+                                                          "above_tokens": MAX_TOKENS}
+    route = eng.kernels.fused_moe
+    assert isinstance(route, MoEPrefillRoute) and route.max_tokens == MAX_TOKENS
+    layer = next(layer for layer in eng.runner.model.layers if layer.is_moe)
+    x, logits = torch.zeros(MAX_TOKENS + 1, 64, dtype=torch.bfloat16), torch.zeros(MAX_TOKENS + 1, 8)
+    assert route.choose(x, logits, layer.w_gate_up, layer.w_down, 2, True) is route.eager
+    assert route.choose(x[:MAX_TOKENS], logits, layer.w_gate_up, layer.w_down, 2, True) is route.template
+
+    prompts = ["Paged attention keeps the cache in blocks; the scheduler batches requests. " * 3, "Hello world!"]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    seqs = eng.generate(prompts, params)
+    assert seqs[0].num_prompt_tokens > MAX_TOKENS
+    # one MoE layer (layer 1 is dense): the prompts' step went to eager, the 2 decode steps to the template
+    assert route.calls == {"eager": 1, "template": 2}
+    oracle = HFOracle.from_dir(checkpoint("moe"), "bf16")
+    template_only = engine("moe", "bf16", max_num_seqs=2, max_num_batched_tokens=256, kernels=gemv)
+    template_only.kernels.fused_moe = template_only.kernels.fused_moe.template
+    for seq, before in zip(seqs, template_only.generate(prompts, params)):
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        assert seq.completion_token_ids == before.completion_token_ids == oracle.greedy(prompt, 3)
+        expected = oracle.logprobs(prompt, seq.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 0.1
+
+
+def test_moe_template_keeps_every_call_where_the_grouped_path_cannot_run():
+    from engine_templates.engine.kernels import KernelSet, MoEPrefillRoute
+
+    kernels = KernelSet({"fused_moe": KernelSpec(impl="template", template="gemv")})
+    w_gate_up, w_down = torch.zeros(8, 64, 64), torch.zeros(8, 64, 32)  # float32: no grouped path
+    assert not kernels.settle_moe_prefill(w_gate_up, w_down, 2, torch.float32)
+    assert "prefill" not in kernels.choices["fused_moe"]
+    route = kernels.fused_moe
+    assert route.choose(torch.zeros(500, 64), torch.zeros(500, 8), w_gate_up, w_down, 2, True) is route.template
+    # eager and the other impls are what they were: no route around them
+    assert not isinstance(KernelSet({}).fused_moe, MoEPrefillRoute)
+    assert not isinstance(KernelSet({"fused_moe": KernelSpec(impl="reference")}).fused_moe, MoEPrefillRoute)
+
+
+def test_moe_route_hands_eager_only_calls_it_would_group():
+    """Many experts for top_k: eager gathers up to experts / top_k tokens, and the template keeps
+    those calls even above its limit; the recorded threshold says so."""
+    from engine_templates.engine.kernels import KernelSet
+    from engine_templates.ops.fused_moe import grouped_mm_device
+
+    if not grouped_mm_device(torch.device("cpu")):
+        pytest.skip("this torch has no CPU torch._grouped_mm")
+    kernels = KernelSet({"fused_moe": KernelSpec(impl="template", template="gemv")})
+    w_gate_up = torch.zeros(256, 32, 64, dtype=torch.bfloat16)
+    w_down = torch.zeros(256, 64, 16, dtype=torch.bfloat16)
+    assert kernels.settle_moe_prefill(w_gate_up, w_down, 2, torch.bfloat16)
+    assert kernels.choices["fused_moe"]["prefill"]["above_tokens"] == 128
+    route = kernels.fused_moe
+    x, logits = torch.zeros(129, 64, dtype=torch.bfloat16), torch.zeros(129, 256, dtype=torch.bfloat16)
+    assert route.choose(x[:128], logits[:128], w_gate_up, w_down, 2, True) is route.template
+    assert route.choose(x, logits, w_gate_up, w_down, 2, True) is route.eager
+
+
 def test_free_kernel_file_is_loaded(tmp_path):
     (tmp_path / "mine.py").write_text("import torch\n\ndef silu_mul(gate, up):\n"
                                       "    return torch.nn.functional.silu(gate) * up\n")
@@ -291,7 +368,7 @@ def test_cuda_graph_decode_equals_eager_decode_on_a_gpu(kind):
                     max_model_len=256, block_size=16, num_kv_blocks=128, cuda_graph_batch_sizes=(1, 2, 4, 8))
     graphs = LLMEngine(EngineConfig(**settings))
     eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
-    # the eager MoE is capturable only while tokens * top_k <= experts (2 * 4 <= 8)
+    # in float32 the eager MoE is capturable only while tokens * top_k <= experts (2 * 4 <= 8)
     assert graphs.runner.graphs.sizes == ([1, 2, 4, 8] if kind == "dense" else [1, 2, 4])
     assert eager.runner.graphs is None
     for a, b in zip(graphs.generate(PROMPTS, GREEDY), eager.generate(PROMPTS, GREEDY)):

@@ -216,3 +216,79 @@ def test_fused_moe_template_routes_as_torch_over_many_experts(experts):
         expected_weights, expected_ids = route(logits, top_k, renormalize)
         assert torch.equal(ids.long(), expected_ids)
         torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def _moe_args(tokens, top_k, renormalize, experts=16, hidden=64, inter=48, seed=0, dtype=torch.bfloat16):
+    op = get_op("fused_moe")
+    shape = Shape("m", {"tokens": tokens, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k})
+    x, logits, w_gate_up, w_down, _, _ = draw(op, shape, dtype, seed)
+    return x, logits, w_gate_up, w_down, top_k, renormalize
+
+
+@pytest.mark.parametrize("tokens, top_k, renormalize", [
+    (1, 8, True), (3, 1, False), (5, 8, False), (40, 1, True), (100, 8, True), (257, 8, False)])
+def test_fused_moe_grouped_path_equals_the_loop_path(tokens, top_k, renormalize):
+    from engine_templates.ops.fused_moe import grouped_moe, grouped_usable, loop_moe
+
+    op = get_op("fused_moe")
+    args = _moe_args(tokens, top_k, renormalize, seed=tokens)
+    x, logits, w_gate_up, w_down = args[:4]
+    if not grouped_usable(w_gate_up, w_down, x.dtype):
+        pytest.skip(f"torch._grouped_mm runs no bf16 without a host sync on {DEVICE}")
+    # the inputs touch min(16, tokens * top_k) experts: below 16, some experts get no pair
+    used = len(logits.float().topk(top_k, dim=-1).indices.unique())
+    assert used == min(16, tokens * top_k)
+    grouped, loop = grouped_moe(*args), loop_moe(*args)
+    assert grouped.dtype == x.dtype and grouped.shape == x.shape
+    torch.testing.assert_close(grouped, loop, rtol=1.6e-2, atol=1e-3)
+    expected = op.reference(*args)
+    assert rel_error(grouped, expected) < RTOL[torch.bfloat16]
+    assert rel_error(loop, expected) < RTOL[torch.bfloat16]
+
+
+def test_fused_moe_grouped_path_with_the_first_and_last_experts_idle():
+    from engine_templates.ops.fused_moe import grouped_moe, grouped_usable, loop_moe
+
+    x, logits, w_gate_up, w_down, top_k, renormalize = _moe_args(30, 4, True, seed=7)
+    if not grouped_usable(w_gate_up, w_down, x.dtype):
+        pytest.skip(f"torch._grouped_mm runs no bf16 without a host sync on {DEVICE}")
+    logits[:, [0, 1, 15]] = -8  # below every other logit: groups 0, 1 and the last are empty
+    args = (x, logits, w_gate_up, w_down, top_k, renormalize)
+    assert not {0, 1, 15} & set(logits.float().topk(top_k, dim=-1).indices.unique().tolist())
+    torch.testing.assert_close(grouped_moe(*args), loop_moe(*args), rtol=1.6e-2, atol=1e-3)
+    assert rel_error(grouped_moe(*args), get_op("fused_moe").reference(*args)) < RTOL[torch.bfloat16]
+
+
+def test_fused_moe_eager_picks_its_path_from_shapes_dtype_and_layout():
+    from engine_templates.ops.fused_moe import eager_path, grouped_mm_device, grouped_usable
+
+    x, logits, w_gate_up, w_down, _, _ = _moe_args(10, 2, True)
+    grouped = "grouped" if grouped_mm_device(x.device) else "loop"
+    assert eager_path(8, 2, w_gate_up, w_down, x.dtype) == "gather"  # 16 pairs <= 16 experts
+    assert eager_path(9, 2, w_gate_up, w_down, x.dtype) == grouped
+    assert eager_path(9, 2, w_gate_up.float(), w_down.float(), torch.float32) == "loop"
+    # hidden 68 and intermediate 44: rows of 136 and 88 bytes, not 16-byte multiples
+    odd = _moe_args(10, 2, True, hidden=68, inter=44)
+    assert not grouped_usable(odd[2], odd[3], x.dtype)
+    # the same sizes in weights whose rows are padded to 72 and 48: aligned weights, but x's and
+    # the activations' rows (68 and 44 wide) are not
+    padded_gu = torch.zeros(16, 88, 72, dtype=x.dtype, device=x.device)[:, :, :68].copy_(odd[2])
+    padded_down = torch.zeros(16, 68, 48, dtype=x.dtype, device=x.device)[:, :, :44].copy_(odd[3])
+    assert not grouped_usable(padded_gu, padded_down, x.dtype)
+    # a weight starting one element into its storage: torch._grouped_mm wants 16-byte aligned data
+    shifted = torch.empty(w_gate_up.numel() + 1, dtype=w_gate_up.dtype, device=w_gate_up.device)
+    shifted = shifted[1:].view(w_gate_up.shape).copy_(w_gate_up)
+    assert not grouped_usable(shifted, w_down, x.dtype)
+    assert grouped_usable(shifted.clone(), w_down, x.dtype) == grouped_mm_device(x.device)
+
+
+def test_fused_moe_eager_falls_back_to_the_loop_where_grouped_mm_refuses():
+    from engine_templates.ops.fused_moe import grouped_moe, grouped_mm_device
+
+    op = get_op("fused_moe")
+    x, logits, w_gate_up, w_down, top_k, renormalize = _moe_args(20, 2, True, hidden=68, inter=44, seed=3)
+    args = (x, logits, w_gate_up, w_down, top_k, renormalize)
+    if grouped_mm_device(x.device):  # the check eager_path makes is what keeps this from failing
+        with pytest.raises(RuntimeError, match="16 bytes"):
+            grouped_moe(*args)
+    assert rel_error(op.eager(*args), op.reference(*args)) < RTOL[torch.bfloat16]

@@ -66,6 +66,10 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # async decode: queued, tokens not read yet
         self.steps_ahead = 0  # decode steps queued before the previous step's tokens were read
         self.rows_discarded = 0  # rows of such steps whose sequence had ended meanwhile
+        moe = next((layer for layer in self.runner.model.layers if layer.is_moe), None)
+        if moe is not None:
+            self.kernels.settle_moe_prefill(moe.w_gate_up, moe.w_down, self.model_config.experts_per_token,
+                                            config.torch_dtype)
         log.info("engine kernels: %s", self.kernels.choices)
 
     @property

@@ -11,6 +11,10 @@ A kernels file is JSON mapping op name to where its implementation comes from:
 `reference` its float64 oracle, cast back to the input dtype (slow; for debugging);
 `template` a Triton template point (`point` left out: the template's default);
 `free` a Python file defining a function named after the op, e.g. a candidate that passed the gates.
+
+A template module may declare MAX_TOKENS, the largest call it is meant for (fused_moe's decode-
+shaped `gemv`): the engine then runs fused_moe calls with more tokens through the op's eager,
+where eager takes its grouped path for them (MoEPrefillRoute), and records that in its choices.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 
 from engine_templates.engine.config import EngineSetupError, KernelSpec
 from engine_templates.ops import OPS
+from engine_templates.ops.fused_moe import eager_path, grouped_usable
 
 log = logging.getLogger("infersmith.engine")
 
@@ -115,6 +120,40 @@ def resolve(op_name: str, spec: KernelSpec) -> Callable[..., Any]:
         raise KernelFileError(f"{op_name}: {e}") from None
 
 
+class MoEPrefillRoute:
+    """fused_moe from a template declared for at most `max_tokens` tokens (its module's
+    MAX_TOKENS), with calls of more tokens sent to the op's eager wherever eager takes its
+    grouped path for them (grouped GEMMs: each expert's weights read once per call, where the
+    template reads them once per token and slot). Where eager would take its per-expert loop (a
+    host sync; it lost to the gemv template at 512 tokens on the H200), the template keeps the
+    call. Decided from the call's shapes, dtype and device alone: no host sync, so a CUDA graph
+    may capture either side."""
+
+    def __init__(self, template: Callable[..., Any], max_tokens: int):
+        self.template = template
+        self.eager = OPS["fused_moe"].eager
+        self.max_tokens = max_tokens
+        # calls made from Python by side; a replayed CUDA graph adds none
+        self.calls = {"template": 0, "eager": 0}
+
+    def choose(self, x, router_logits, w_gate_up, w_down, top_k, renormalize) -> Callable[..., Any]:
+        tokens = x.shape[0]
+        if tokens > self.max_tokens and eager_path(tokens, top_k, w_gate_up, w_down, x.dtype) == "grouped":
+            return self.eager
+        return self.template
+
+    def __call__(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
+        fn = self.choose(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+        self.calls["eager" if fn is self.eager else "template"] += 1
+        return fn(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+
+
+def template_token_limit(op_name: str, template: str) -> int | None:
+    """The template module's MAX_TOKENS, None where it declares none."""
+    module = importlib.import_module(OPS[op_name].templates[template].module)
+    return getattr(module, "MAX_TOKENS", None)
+
+
 class KernelSet:
     """One callable per engine op, and a record of where each came from."""
 
@@ -128,12 +167,37 @@ class KernelSet:
         self.choices: dict[str, dict[str, Any]] = {}
         for name in ENGINE_OPS:
             spec = specs.get(name, KernelSpec())
-            setattr(self, name, resolve(name, spec))
+            fn = resolve(name, spec)
             choice = {"impl": spec.impl}
             if spec.impl == "template":
                 template = spec.template or next(iter(OPS[name].templates))
                 choice.update(template=template,
                               point=spec.point or OPS[name].templates[template].default)
+                limit = template_token_limit(name, template) if name == "fused_moe" else None
+                if limit is not None:
+                    fn = MoEPrefillRoute(fn, limit)
             if spec.impl == "free":
                 choice["path"] = spec.path
+            setattr(self, name, fn)
             self.choices[name] = choice
+
+    def settle_moe_prefill(self, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+                           dtype: torch.dtype) -> bool:
+        """With the model's expert weights (one MoE layer's: the layers share dtype, device and
+        layout), top_k and activation dtype: whether fused_moe calls over the template's token
+        limit run eager's grouped path. Logged once, and recorded in `choices` where they do,
+        with the token count above which they do (eager gathers up to experts / top_k tokens)."""
+        route = self.fused_moe
+        if not isinstance(route, MoEPrefillRoute):
+            return False
+        template = self.choices["fused_moe"]["template"]
+        if not grouped_usable(w_gate_up, w_down, dtype):
+            log.info("fused_moe: the %s template runs every call: the eager grouped path needs bf16 "
+                     "weights of 16-byte rows on a device where torch._grouped_mm needs no host sync "
+                     "(here %s on %s)", template, dtype, w_gate_up.device)
+            return False
+        above = max(route.max_tokens, w_gate_up.shape[0] // top_k)
+        self.choices["fused_moe"]["prefill"] = {"impl": "eager", "path": "grouped", "above_tokens": above}
+        log.info("fused_moe: calls of more than %d tokens run eager's grouped GEMMs "
+                 "(torch._grouped_mm) instead of the %s template", above, template)
+        return True

@@ -12,8 +12,15 @@ Generated router logits are distinct multiples of 1/32 (exact in bf16/fp16), so 
 token picks are the same in every precision and no kernel is judged on how it breaks a tie.
 Each token's top-k experts are drawn so that a shape of T tokens touches exactly
 min(experts, T * top_k) distinct experts: `bytes` is the exact weight traffic of every call.
+
+The eager baseline takes one of three paths (`eager_path`): few tokens (tokens * top_k <=
+experts) gather each pair's expert into one bmm; more run `grouped_moe` (two torch._grouped_mm
+calls over the pairs sorted by expert, no host sync) where `grouped_usable` says torch can,
+else `loop_moe` (one matmul per expert, after reading the per-expert counts on the host).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -45,6 +52,100 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+GROUPED_MM_MAX_GROUPS = 1023  # torch's CUDA grouped GEMM sets up one thread per group in one block
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_device(device: torch.device) -> bool:
+    """Whether torch._grouped_mm runs bf16 on `device` without a host sync: on a CUDA GPU of
+    compute capability 9.x or 10.x (torch's CUTLASS kernel; on other GPUs and on ROCm torch falls
+    back to a loop that copies the group offsets to the host), or on a CPU from torch 2.9 (2.8
+    has no CPU kernel)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_capability(index)[0] in (9, 10)
+    return device.type == "cpu" and torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
+def _row_major_16b(w: torch.Tensor) -> bool:
+    """[groups, rows, cols] with unit column stride and 16-byte aligned rows and groups: what
+    torch._grouped_mm asks of the transposed view it is given (it checks the data pointer and
+    the strides; TMA loads need 16-byte aligned addresses)."""
+    align = 16 // w.element_size()
+    return (w.stride(2) == 1 and w.stride(1) >= w.shape[2] and w.stride(1) % align == 0
+            and w.stride(0) % align == 0 and w.data_ptr() % 16 == 0)
+
+
+def grouped_usable(w_gate_up: torch.Tensor, w_down: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `grouped_moe` can run on these expert weights with activations of `dtype`: bf16
+    everywhere, a device where torch._grouped_mm needs no host sync, fewer experts than its group
+    limit, hidden and intermediate sizes multiples of 8 (16 bytes: the activations' row strides)
+    and weights laid out row-major and 16-byte aligned. Decided from shapes, strides and the
+    device alone: no host sync, so it may be asked inside a CUDA graph capture."""
+    experts, _, hidden = w_gate_up.shape
+    inter = w_down.shape[2]
+    return (dtype == torch.bfloat16 and w_gate_up.dtype == dtype and w_down.dtype == dtype
+            and w_gate_up.device == w_down.device and grouped_mm_device(w_gate_up.device)
+            and experts <= GROUPED_MM_MAX_GROUPS and hidden % 8 == 0 and inter % 8 == 0
+            and _row_major_16b(w_gate_up) and _row_major_16b(w_down))
+
+
+def eager_path(tokens: int, top_k: int, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+               dtype: torch.dtype) -> str:
+    """The path FusedMoE.eager takes for a call of `tokens` tokens: "gather" (few tokens, one
+    bmm over each pair's expert), "grouped" (grouped_moe) or "loop" (loop_moe, the only one that
+    synchronizes with the host)."""
+    if tokens * top_k <= w_gate_up.shape[0]:
+        return "gather"
+    return "grouped" if grouped_usable(w_gate_up, w_down, dtype) else "loop"
+
+
+def grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    """The op by grouped GEMMs: the (token, slot) pairs sorted by expert (stably), the group
+    ends found by a binary search of the sorted ids (torch.bincount on a GPU reads the largest id
+    back to the host), x's rows gathered in that order through torch._grouped_mm with the gate/up
+    and then the down weights, the rows put back in pair order and weighted. No host sync: a CUDA
+    graph can capture it. Needs `grouped_usable(w_gate_up, w_down, x.dtype)`."""
+    weights, experts = route(router_logits, top_k, renormalize)
+    tokens, inter, n_experts = x.shape[0], w_down.shape[2], w_gate_up.shape[0]
+    ids, order = experts.flatten().sort(stable=True)
+    ends = torch.arange(n_experts, device=ids.device, dtype=ids.dtype)
+    offs = torch.searchsorted(ids, ends, right=True, out_int32=True)  # pairs routed to experts <= e
+    gu = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs)
+    act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    down = torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)
+    out = torch.empty_like(down).index_copy_(0, order, down)
+    return (out.view(tokens, top_k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+
+def loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    """The op by one matmul per expert that has pairs: the per-expert counts are read on the
+    host (a sync), so a CUDA graph cannot capture it. Any dtype, device and size."""
+    weights, experts = route(router_logits, top_k, renormalize)
+    tokens, inter = x.shape[0], w_down.shape[2]
+    flat = experts.flatten()
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # host sync
+    out = torch.zeros((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[start:start + n]
+            gu = x[pairs // top_k] @ w_gate_up[e].t()
+            act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            out[pairs] = act @ w_down[e].t()
+            start += n
+    return (out.view(tokens, top_k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
 class FusedMoE(Op):
@@ -100,31 +201,21 @@ class FusedMoE(Op):
         return (out * weights[..., None]).sum(dim=1)
 
     def eager(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
+        path = eager_path(x.shape[0], top_k, w_gate_up, w_down, x.dtype)
+        if path == "grouped":
+            return grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)
+        if path == "loop":
+            return loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)
         weights, experts = route(router_logits, top_k, renormalize)
         weights = weights.to(x.dtype)
         tokens, inter = x.shape[0], w_down.shape[2]
-        if tokens * top_k <= w_gate_up.shape[0]:
-            # Few tokens (decode): gather each (token, slot)'s expert and multiply in one batch.
-            # No host sync, so a CUDA graph can capture it; it copies the experts it reads.
-            flat = experts.flatten()
-            xs = x.repeat_interleave(top_k, dim=0)[:, :, None]
-            gu = torch.bmm(w_gate_up[flat], xs).squeeze(2)
-            act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            out = torch.bmm(w_down[flat], act[:, :, None]).squeeze(2)
-            return (out.view(tokens, top_k, -1) * weights[..., None]).sum(dim=1)
-        # Many tokens: group the (token, slot) pairs by expert and run each expert once.
+        # Few tokens (decode): gather each (token, slot)'s expert and multiply in one batch.
+        # No host sync, so a CUDA graph can capture it; it copies the experts it reads.
         flat = experts.flatten()
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()  # host sync
-        out = torch.zeros((tokens * top_k, x.shape[1]), dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                pairs = order[start:start + n]
-                gu = x[pairs // top_k] @ w_gate_up[e].t()
-                act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-                out[pairs] = act @ w_down[e].t()
-                start += n
+        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]
+        gu = torch.bmm(w_gate_up[flat], xs).squeeze(2)
+        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        out = torch.bmm(w_down[flat], act[:, :, None]).squeeze(2)
         return (out.view(tokens, top_k, -1) * weights[..., None]).sum(dim=1)
 
     def bytes(self, shape, dtype):

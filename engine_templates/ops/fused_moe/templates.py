@@ -27,7 +27,9 @@ run.
 
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
-not this template.
+not this template. MAX_TOKENS declares the calls it is meant for: the engine runs a call with
+more tokens through the op's eager instead, where eager's grouped path takes it
+(engine/kernels.py).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_TOKENS = 64  # decode-shaped: EngineConfig's largest CUDA graph batch size
 RANK_CHUNK = 32  # rival experts compared at once: a [experts, 32] tile stays in registers
 SUM_BLOCK = 1024  # slot-sum columns per program: 2 programs a token at hidden 2048
 
