@@ -86,7 +86,7 @@ def run(eng: LLMEngine, work: list[tuple[str, SamplingParams]]) -> list[Sequence
 def test_async_decode_gives_the_synchronous_answers(kind):
     # every prompt in the first step: the steps after are pure decode steps, each ahead but the first
     sync, overlapped = engine(kind, False, max_num_batched_tokens=256), engine(kind, True, max_num_batched_tokens=256)
-    # as many as one graph takes (in float32 the eager MoE's graphs stop at 4 rows), so that every decode step can overlap
+    # as many as one graph takes (the eager MoE's graphs stop at 4 rows), so that every decode step can overlap
     work = requests(sync)[:overlapped.runner.graphs.sizes[-1]]
     expected, got = run(sync, work), run(overlapped, work)
     assert_same(got, expected)

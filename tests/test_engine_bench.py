@@ -151,21 +151,6 @@ def test_decode_graph_buffers_padding_and_width_buckets_give_the_eager_answers(p
     assert graphs.block_table[3, :16].tolist() == [padded.runner.scratch_block] * 16
 
 
-@pytest.mark.parametrize("dtype, sizes", [("bf16", [1, 2, 4, 8]), ("fp32", [1, 2, 4])])
-def test_decode_graphs_of_the_eager_moe_stop_only_where_it_would_loop(dtype, sizes):
-    """8 rows of tiny-moe are 16 (token, slot) pairs for 8 experts: past the gather path. In bf16
-    the eager MoE's grouped path takes them without a host sync, so a graph can capture them; in
-    float32 it loops over the experts on the host's counts, and the graphs stop at 4 rows."""
-    from engine_templates.ops.fused_moe import grouped_mm_device
-
-    if dtype == "bf16" and not grouped_mm_device(torch.device("cpu")):
-        pytest.skip("this torch has no CPU torch._grouped_mm")
-    cfg = ModelConfig.from_preset(PRESETS["tiny-moe"])
-    config = EngineConfig(dtype=dtype, device="cpu", block_size=4, max_num_seqs=8, max_model_len=64)
-    engine = LLMEngine(config, cfg, random_weights(cfg, config.torch_dtype, "cpu"))
-    assert DecodeGraphs(engine.runner, cfg, capture=False).sizes == sizes
-
-
 def test_the_bench_imports_nothing_a_gpu_host_lacks(tmp_path):
     """The GPU hosts have torch, triton, transformers, aiohttp and numpy, not the controller's
     packages: `python -m engine_templates.engine bench` must not import them."""

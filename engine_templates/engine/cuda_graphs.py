@@ -18,7 +18,6 @@ import torch
 from engine_templates.engine.config import ModelConfig
 from engine_templates.engine.model import AttentionInputs
 from engine_templates.engine.sequence import Sequence
-from engine_templates.ops.fused_moe import eager_path
 
 MIN_WIDTH = 8  # blocks
 
@@ -29,12 +28,8 @@ class DecodeGraphs:
         model, config = runner.model, runner.config
         sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
         if cfg.is_moe and model.k.choices["fused_moe"]["impl"] == "eager":
-            # The eager MoE syncs with the host only on its loop path (fused_moe.eager_path): once
-            # tokens * top_k exceed the experts where its grouped path cannot run (not bf16, or a
-            # device where torch._grouped_mm syncs).
-            moe = next(layer for layer in model.layers if layer.is_moe)
-            sizes = [b for b in sizes if eager_path(b, cfg.experts_per_token, moe.w_gate_up, moe.w_down,
-                                                    config.torch_dtype) != "loop"]
+            # The eager MoE syncs with the host once tokens * top_k exceed the experts.
+            sizes = [b for b in sizes if b * cfg.experts_per_token <= cfg.experts]
         self.sizes = sorted(sizes)
         max_w = runner.max_blocks_per_seq
         self.widths = sorted({min(MIN_WIDTH << i, max_w) for i in range(max_w.bit_length() + 1)})
