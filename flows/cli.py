@@ -106,6 +106,14 @@ def _shapes_fit(op, target) -> None:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
 
 
+def _open_store() -> None:
+    """Open the tracking store before a flow starts: a store this MLflow cannot open is then one
+    line (TrackingStoreError, in main) rather than a traceback that Prefect logs from the flow."""
+    from tracking.store import TrackingConfig, client
+
+    client(TrackingConfig.from_env())
+
+
 def cmd_evaluate(args) -> int:
     from harness.load import screen_signature
 
@@ -122,6 +130,7 @@ def cmd_evaluate(args) -> int:
         raise UsageError(f"{path}: {problem}")
     from flows.evaluate_op import evaluate_candidate
 
+    _open_store()
     result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=_pool(args.pool))
     verdict = result["verdict"]
     if args.json:
@@ -154,6 +163,7 @@ def cmd_optimize(args) -> int:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     from flows.optimize_op import optimize_op
 
+    _open_store()
     optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
                 pool=_pool(args.pool))
     return 0
@@ -397,6 +407,7 @@ def cmd_serve_bench(args) -> int:
     pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import serve_bench
 
+    _open_store()
     try:
         result = serve_bench(model_dir, target, kernels, args.candidate, pool)
     except _serve_errors() as e:
@@ -423,6 +434,7 @@ def cmd_optimize_engine(args) -> int:
     pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import optimize_engine
 
+    _open_store()
     try:
         result = optimize_engine(model_dir, target, args.seed, args.kernels_per_op, include, pool,
                                  proposer=args.proposer)

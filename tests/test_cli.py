@@ -68,22 +68,41 @@ def test_the_installed_command_refuses_bad_input_without_a_traceback():
 
 
 def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_path):
-    # What a GPU host's store looks like here when its wheels had a newer mlflow-skinny. In
-    # subprocesses: MLflow keeps an opened store for the process's life.
+    # What a GPU host's store looks like here when its wheels had a newer mlflow-skinny, and a
+    # store from an older MLflow. `optimize` opens the store inside a Prefect flow, which would
+    # log a traceback first; it runs in a subprocess, as a user runs it.
     import os
+    import shutil
     import sqlite3
 
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"INFERSMITH_HOME": str(tmp_path)}
+    import mlflow
 
-    def leaderboard():
-        return subprocess.run([sys.executable, "-m", "flows.cli", "leaderboard", "--op", "rmsnorm"],
-                              env=env, capture_output=True, text=True, timeout=120)
+    from tracking.errors import TrackingStoreError
+    from tracking.store import TrackingConfig, client
 
-    first = leaderboard()  # creates the store at this MLflow's schema
-    assert first.returncode == 0, first.stderr
-    with sqlite3.connect(tmp_path / "mlflow.db") as db:
-        db.execute("UPDATE alembic_version SET version_num = 'f4a9b2c7d1e6'")
-    done = leaderboard()
+    def store(name, revision):
+        """A store made by this MLflow, then marked as at `revision`; a new file each time (MLflow
+        keeps a store it opened for the process's life)."""
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "made" / "mlflow.db", tmp_path / name / "mlflow.db")
+        with sqlite3.connect(tmp_path / name / "mlflow.db") as db:
+            db.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+        return tmp_path / name
+
+    before = mlflow.get_tracking_uri()
+    try:
+        client(TrackingConfig(uri=f"sqlite:///{tmp_path / 'made' / 'mlflow.db'}", artifact_root=None))
+        older = store("older", "0a8213491aaa")  # one of this MLflow's own earlier revisions
+        with pytest.raises(TrackingStoreError, match="an older MLflow wrote it.*mlflow db upgrade"):
+            client(TrackingConfig(uri=f"sqlite:///{older / 'mlflow.db'}", artifact_root=None))
+    finally:
+        mlflow.set_tracking_uri(before)
+
+    newer = store("newer", "f4a9b2c7d1e6")  # no migration of this MLflow's leads there
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"INFERSMITH_HOME": str(newer)}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "optimize", "--op", "rmsnorm", "--model", "tiny",
+                           "--budget", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
-    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
-    assert "has database schema f4a9b2c7d1e6" in done.stderr and "controller_wheels.sh" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "has database schema f4a9b2c7d1e6" in done.stderr and "a newer MLflow wrote it" in done.stderr
+    assert "controller_wheels.sh" in done.stderr

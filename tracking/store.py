@@ -31,6 +31,12 @@ class TrackingConfig:
         return cls(uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=(home / "artifacts").as_uri())
 
 
+def _schema_revision_known(revision: str) -> bool:
+    """Whether this MLflow has a migration to `revision`: a store at it is older than this MLflow."""
+    versions = Path(mlflow.__file__).parent / "store" / "db_migrations" / "versions"
+    return any(versions.glob(f"{revision}_*.py"))
+
+
 def client(cfg: TrackingConfig) -> MlflowClient:
     mlflow.set_tracking_uri(cfg.uri)
     try:  # the client opens the store: a store from another MLflow fails here, in one line
@@ -39,13 +45,18 @@ def client(cfg: TrackingConfig) -> MlflowClient:
         found = re.search(r"found version (\w+), but expected (\w+)", str(e))
         if found is None:
             raise
+        what = (f"the tracking store {cfg.uri} has database schema {found[1]}; this MLflow "
+                f"({mlflow.__version__}) expects {found[2]}")
+        if found[1] == "None":
+            raise TrackingStoreError(f"{what}: it is no MLflow store (no schema revision)") from None
+        if _schema_revision_known(found[1]):
+            raise TrackingStoreError(
+                f"{what}: an older MLflow wrote it. Open it with that version, or convert it once "
+                "with `mlflow db upgrade URI` (the older MLflow cannot open it afterwards)") from None
         raise TrackingStoreError(
-            f"the tracking store {cfg.uri} has database schema {found[1]}, this MLflow "
-            f"({mlflow.__version__}) expects {found[2]}: another MLflow version wrote it. Open it "
-            "with the version that wrote it (for a GPU host's store, make the host's wheels with "
-            "infra/controller_wheels.sh from this environment, which pins this version), or convert "
-            "it once with `mlflow db upgrade URI` (an older MLflow cannot open it afterwards)"
-        ) from None
+            f"{what}: a newer MLflow wrote it (for a GPU host's store: the host's wheels had a newer "
+            "mlflow-skinny). Open it with that version; infra/controller_wheels.sh makes the host's "
+            "wheels at this environment's version for the next run") from None
 
 
 def experiment_id(c: MlflowClient, cfg: TrackingConfig, op: str) -> str:
