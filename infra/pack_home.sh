@@ -4,12 +4,15 @@
 # one that holds them all.
 pack_home() {
     tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")" || return 1
-    # The archive may lie inside `out` (OUT=/tmp/r ARCHIVE=/tmp/r/r.tgz): it is left out of itself,
-    # and written elsewhere first, so that tar sees the folder unchanged while it reads it.
     if [ -n "${ARCHIVE:-}" ]; then
-        local part
-        part=$(mktemp "${TMPDIR:-/tmp}/pack_home.XXXXXX") || return 1
-        tar czf "$part" --exclude="./$(basename "$ARCHIVE")" -C "$out" . && mv "$part" "$ARCHIVE" \
+        # Written beside the archive under a hidden name and renamed, so that a kill mid-way
+        # leaves the last whole archive; the archive may lie inside `out` (OUT=/tmp/r
+        # ARCHIVE=/tmp/r/r.tgz), so it and its hidden copies are left out of what is packed.
+        local name part
+        name=$(basename "$ARCHIVE")
+        part=$(mktemp "$(dirname "$ARCHIVE")/.$name.XXXXXX") || return 1
+        chmod 644 "$part"
+        tar czf "$part" --exclude="./$name" --exclude="./.$name.*" -C "$out" . && mv "$part" "$ARCHIVE" \
             || { rm -f "$part"; return 1; }
     fi
 }

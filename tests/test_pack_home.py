@@ -24,6 +24,8 @@ def test_an_archive_inside_the_results_folder_holds_everything_but_itself(tmp_pa
         done = pack(out, home, archive)
         assert done.returncode == 0, done.stderr
         assert done.stderr == ""  # no "file changed as we read it"
+    assert archive.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in out.iterdir()) == ["bench.log", "home.tgz", "r.tgz", "report.md"]  # no leftovers
     with tarfile.open(archive) as tar:
         names = sorted(n.removeprefix("./") for n in tar.getnames() if n not in (".", "./"))
         assert names == ["bench.log", "home.tgz", "report.md"]
