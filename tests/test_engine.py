@@ -375,3 +375,44 @@ def test_cuda_graph_decode_equals_eager_decode_on_a_gpu(kind):
         assert a.completion_token_ids == b.completion_token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     assert graphs.steps_ahead > 0  # the graph path queued decode steps ahead (async decode)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_route_on_a_gpu_groups_outside_graphs_and_keeps_the_template_under_capture():
+    """On a GPU: the eager grouped path (torch._grouped_mm) runs where `grouped_usable` says so and
+    agrees with the per-expert loop; a call over the template's token limit goes to it, except
+    under CUDA graph capture, where the template keeps the call."""
+    from engine_templates.engine.kernels import KernelSet
+    from engine_templates.ops.fused_moe import grouped_moe, grouped_usable, loop_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, inter, top_k, tokens = 16, 256, 128, 4, 96
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.05).bfloat16()
+    w_down = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.05).bfloat16()
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen).bfloat16()
+    if not grouped_usable(w_gate_up, w_down, torch.bfloat16):
+        pytest.skip("torch._grouped_mm has no sync-free kernel on this GPU")
+    grouped = grouped_moe(x, logits, w_gate_up, w_down, top_k, True)
+    loop = loop_moe(x, logits, w_gate_up, w_down, top_k, True)
+    assert torch.allclose(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+
+    kernels = KernelSet({"fused_moe": KernelSpec(impl="template", template="gemv")})
+    assert kernels.settle_moe_prefill(w_gate_up, w_down, top_k, torch.bfloat16)
+    route = kernels.fused_moe
+    assert route.choose(x, logits, w_gate_up, w_down, top_k, True) is route.eager
+    out = torch.empty_like(x)
+    route(x, logits, w_gate_up, w_down, top_k, True)  # outside capture: the eager grouped path
+    route.template(x, logits, w_gate_up, w_down, top_k, True)  # compiles the template's kernels before capture
+    torch.cuda.synchronize()
+    assert route.calls["eager"] == 1
+    calls = dict(route.calls)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(route(x, logits, w_gate_up, w_down, top_k, True))
+    assert route.calls == calls | {"template": calls["template"] + 1}  # captured: the template
+    graph.replay()
+    torch.cuda.synchronize()
+    template = route.template(x, logits, w_gate_up, w_down, top_k, True)
+    assert torch.equal(out, template)  # the template is deterministic, bit for bit

@@ -125,9 +125,9 @@ class MoEPrefillRoute:
     MAX_TOKENS), with calls of more tokens sent to the op's eager wherever eager takes its
     grouped path for them (grouped GEMMs: each expert's weights read once per call, where the
     template reads them once per token and slot). Where eager would take its per-expert loop (a
-    host sync; it lost to the gemv template at 512 tokens on the H200), the template keeps the
-    call. Decided from the call's shapes, dtype and device alone: no host sync, so a CUDA graph
-    may capture either side."""
+    host sync; it lost to the gemv template at 512 tokens on the H200), and under CUDA graph
+    capture, the template keeps the call. Decided from the call's shapes, dtype and device alone:
+    no host sync."""
 
     def __init__(self, template: Callable[..., Any], max_tokens: int):
         self.template = template
@@ -138,7 +138,11 @@ class MoEPrefillRoute:
 
     def choose(self, x, router_logits, w_gate_up, w_down, top_k, renormalize) -> Callable[..., Any]:
         tokens = x.shape[0]
-        if tokens > self.max_tokens and eager_path(tokens, top_k, w_gate_up, w_down, x.dtype) == "grouped":
+        # Under CUDA graph capture (decode graphs of more rows than max_tokens, when configured)
+        # the template keeps the call: capturing torch._grouped_mm is not yet verified on a GPU.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if (tokens > self.max_tokens and not capturing
+                and eager_path(tokens, top_k, w_gate_up, w_down, x.dtype) == "grouped"):
             return self.eager
         return self.template
 

@@ -114,8 +114,9 @@ def grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     """The op by grouped GEMMs: the (token, slot) pairs sorted by expert (stably), the group
     ends found by a binary search of the sorted ids (torch.bincount on a GPU reads the largest id
     back to the host), x's rows gathered in that order through torch._grouped_mm with the gate/up
-    and then the down weights, the rows put back in pair order and weighted. No host sync: a CUDA
-    graph can capture it. Needs `grouped_usable(w_gate_up, w_down, x.dtype)`."""
+    and then the down weights, the rows put back in pair order and weighted. No host sync (so a
+    CUDA graph should be able to capture it: not yet verified on a GPU, and the engine does not
+    capture it). Needs `grouped_usable(w_gate_up, w_down, x.dtype)`."""
     weights, experts = route(router_logits, top_k, renormalize)
     tokens, inter, n_experts = x.shape[0], w_down.shape[2], w_gate_up.shape[0]
     ids, order = experts.flatten().sort(stable=True)
