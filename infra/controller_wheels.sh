@@ -3,7 +3,8 @@
 # running the controller there (`infersmith optimize`, `serve-bench` with local Prefect and MLflow,
 # and AIPerf, the end-to-end stage's load generator) needs.
 # Packages the host already has (its `pip list`, one name a line, in HAVE) are left out.
-# Usage: HAVE=host-packages.txt [PYTHON=.venv/bin/python] bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
+# Usage: HAVE=host-packages.txt [PYTHON=python] bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
+# PYTHON: the controller's python, whose MLflow version the host gets (default: the checkout's .venv).
 set -euo pipefail
 out=${1:?usage: controller_wheels.sh OUT_DIR [PYTHON_VERSION]}
 pyver=${2:-3.12}
@@ -14,7 +15,8 @@ for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2
 done
 # MLflow at this environment's version (PYTHON: default the checkout's .venv, else python3): the
 # host's tracking store comes back here, and MLflow opens only a store of its own schema.
-py=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$([ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3)}
 if v=$("$py" -c 'import mlflow; print(mlflow.__version__)' 2>/dev/null); then
     mlflow_req="mlflow-skinny==$v"
 else
@@ -37,7 +39,8 @@ skip="botocore boto3 s3transfer jmespath plotly dash dash-bootstrap-components k
 for f in "$all"/*.whl; do
     name=$(basename "$f" | cut -d- -f1 | norm)
     case " $(echo $skip) " in *" $name "*) continue ;; esac
-    if [ -n "${HAVE:-}" ] && norm < "$HAVE" | grep -qx "$name"; then continue; fi
+    # (the pinned mlflow-skinny goes whatever the host has: its version is the point)
+    if [ "$name" != mlflow-skinny ] && [ -n "${HAVE:-}" ] && norm < "$HAVE" | grep -qx "$name"; then continue; fi
     cp "$f" "$out/"
 done
 rm -rf "$all"
