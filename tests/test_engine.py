@@ -368,7 +368,7 @@ def test_cuda_graph_decode_equals_eager_decode_on_a_gpu(kind):
                     max_model_len=256, block_size=16, num_kv_blocks=128, cuda_graph_batch_sizes=(1, 2, 4, 8))
     graphs = LLMEngine(EngineConfig(**settings))
     eager = LLMEngine(EngineConfig(**settings, enforce_eager=True))
-    # in float32 the eager MoE is capturable only while tokens * top_k <= experts (2 * 4 <= 8)
+    # the eager MoE is captured only while tokens * top_k <= experts (2 * 4 <= 8)
     assert graphs.runner.graphs.sizes == ([1, 2, 4, 8] if kind == "dense" else [1, 2, 4])
     assert eager.runner.graphs is None
     for a, b in zip(graphs.generate(PROMPTS, GREEDY), eager.generate(PROMPTS, GREEDY)):

@@ -21,8 +21,9 @@ SPLIT_KV_TEMPLATE = Template(
     name="split_kv",
     module="engine_templates.ops.decode_attention.templates",
     space={
-        # programs per (sequence, kv head); 0: chosen per call, ~2 programs per SM (templates.auto_splits)
-        "num_splits": [1, 2, 4, 8, 16, 32, 0],
+        # programs per (sequence, kv head); 0: chosen per call, ~2 programs per SM (templates.auto_splits),
+        # first so that the gauntlet's "far" point (every dimension's last value) is a fixed 32
+        "num_splits": [0, 1, 2, 4, 8, 16, 32],
         "block_n": [16, 32, 64, 128],  # cache positions per tile
         "num_warps": [1, 2, 4, 8],
         "num_stages": [1, 2, 3, 4],
