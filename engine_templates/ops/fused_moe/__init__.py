@@ -110,6 +110,26 @@ def eager_path(tokens: int, top_k: int, w_gate_up: torch.Tensor, w_down: torch.T
     return "grouped" if grouped_usable(w_gate_up, w_down, dtype) else "loop"
 
 
+def _swiglu(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """silu(gate) * up of gate/up rows [pairs, 2 * inter]."""
+    return torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+
+
+def _sum_slots(out: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's top_k expert outputs (rows in pair order) weighted and summed, in out's dtype."""
+    return (out.view(-1, top_k, out.shape[-1]) * weights.to(out.dtype)[..., None]).sum(dim=1)
+
+
+def gather_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
+    """The op for few tokens (decode): each (token, slot) pair's expert gathered and multiplied
+    in one batch. No host sync, so a CUDA graph can capture it; it copies the experts it reads."""
+    weights, experts = route(router_logits, top_k, renormalize)
+    flat = experts.flatten()
+    xs = x.repeat_interleave(top_k, dim=0)[:, :, None]
+    act = _swiglu(torch.bmm(w_gate_up[flat], xs).squeeze(2), w_down.shape[2])
+    return _sum_slots(torch.bmm(w_down[flat], act[:, :, None]).squeeze(2), weights, top_k)
+
+
 def grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     """The op by grouped GEMMs: the (token, slot) pairs sorted by expert (stably), the group
     ends found by a binary search of the sorted ids (torch.bincount on a GPU reads the largest id
@@ -118,15 +138,12 @@ def grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     CUDA graph should be able to capture it: not yet verified on a GPU, and the engine does not
     capture it). Needs `grouped_usable(w_gate_up, w_down, x.dtype)`."""
     weights, experts = route(router_logits, top_k, renormalize)
-    tokens, inter, n_experts = x.shape[0], w_down.shape[2], w_gate_up.shape[0]
     ids, order = experts.flatten().sort(stable=True)
-    ends = torch.arange(n_experts, device=ids.device, dtype=ids.dtype)
+    ends = torch.arange(w_gate_up.shape[0], device=ids.device, dtype=ids.dtype)
     offs = torch.searchsorted(ids, ends, right=True, out_int32=True)  # pairs routed to experts <= e
     gu = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs)
-    act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    down = torch._grouped_mm(act, w_down.transpose(1, 2), offs=offs)
-    out = torch.empty_like(down).index_copy_(0, order, down)
-    return (out.view(tokens, top_k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+    down = torch._grouped_mm(_swiglu(gu, w_down.shape[2]), w_down.transpose(1, 2), offs=offs)
+    return _sum_slots(torch.empty_like(down).index_copy_(0, order, down), weights, top_k)
 
 
 def loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
@@ -142,11 +159,12 @@ def loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
     for e, n in enumerate(counts):
         if n:
             pairs = order[start:start + n]
-            gu = x[pairs // top_k] @ w_gate_up[e].t()
-            act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            out[pairs] = act @ w_down[e].t()
+            out[pairs] = _swiglu(x[pairs // top_k] @ w_gate_up[e].t(), inter) @ w_down[e].t()
             start += n
-    return (out.view(tokens, top_k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+    return _sum_slots(out, weights, top_k)
+
+
+EAGER_PATHS = {"gather": gather_moe, "grouped": grouped_moe, "loop": loop_moe}
 
 
 class FusedMoE(Op):
@@ -202,22 +220,8 @@ class FusedMoE(Op):
         return (out * weights[..., None]).sum(dim=1)
 
     def eager(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
-        path = eager_path(x.shape[0], top_k, w_gate_up, w_down, x.dtype)
-        if path == "grouped":
-            return grouped_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)
-        if path == "loop":
-            return loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)
-        weights, experts = route(router_logits, top_k, renormalize)
-        weights = weights.to(x.dtype)
-        tokens, inter = x.shape[0], w_down.shape[2]
-        # Few tokens (decode): gather each (token, slot)'s expert and multiply in one batch.
-        # No host sync, so a CUDA graph can capture it; it copies the experts it reads.
-        flat = experts.flatten()
-        xs = x.repeat_interleave(top_k, dim=0)[:, :, None]
-        gu = torch.bmm(w_gate_up[flat], xs).squeeze(2)
-        act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        out = torch.bmm(w_down[flat], act[:, :, None]).squeeze(2)
-        return (out.view(tokens, top_k, -1) * weights[..., None]).sum(dim=1)
+        path = EAGER_PATHS[eager_path(x.shape[0], top_k, w_gate_up, w_down, x.dtype)]
+        return path(x, router_logits, w_gate_up, w_down, top_k, renormalize)
 
     def bytes(self, shape, dtype):
         d = shape.dims
