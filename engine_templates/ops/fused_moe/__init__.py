@@ -14,9 +14,10 @@ Each token's top-k experts are drawn so that a shape of T tokens touches exactly
 min(experts, T * top_k) distinct experts: `bytes` is the exact weight traffic of every call.
 
 The eager baseline takes one of three paths (`eager_path`): few tokens (tokens * top_k <=
-experts) `gather_moe` (each pair's expert gathered into one bmm); more run `grouped_moe` (two torch._grouped_mm
-calls over the pairs sorted by expert, no host sync) where `grouped_usable` says torch can,
-else `loop_moe` (one matmul per expert, after reading the per-expert counts on the host).
+experts) `gather_moe` (each pair's expert gathered into one bmm); more run `grouped_moe` (two
+torch._grouped_mm calls over the pairs sorted by expert, no host sync) where `grouped_usable`
+says torch can, else `loop_moe` (one matmul per expert, after reading the per-expert counts on
+the host).
 """
 from __future__ import annotations
 
