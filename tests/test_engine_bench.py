@@ -130,11 +130,16 @@ def test_an_engine_without_a_tokenizer_takes_only_token_ids():
                                              ("tiny", {"decode_attention": SPLIT_KV})])
 def test_decode_graph_buffers_padding_and_width_buckets_give_the_eager_answers(preset, kernels):
     """DecodeGraphs without capture runs each decode step on its static buffers, padded to the
-    batch size and block-table width it would replay: the answers must be the plain path's."""
+    batch size and block-table width it would replay: the answers must be the plain path's.
+    On a GPU host it runs there: Triton kernels (split_kv) run in the interpreter only on a
+    host without CUDA, and cannot take CPU tensors where CUDA is."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = ModelConfig.from_preset(PRESETS[preset])
-    weights = random_weights(cfg, torch.float32, "cpu", seed=1)
-    config = EngineConfig(dtype="fp32", device="cpu", block_size=4, max_num_seqs=8, max_model_len=128,
-                          kernels=kernels)
+    weights = random_weights(cfg, torch.float32, device, seed=1)
+    # num_kv_blocks as a CPU would size it (8 sequences x 32 blocks): two engines in one process,
+    # where gpu_memory_utilization would give the first the GPU and the second nothing
+    config = EngineConfig(dtype="fp32", device=device, block_size=4, max_num_seqs=8, max_model_len=128,
+                          num_kv_blocks=256, kernels=kernels)
     plain, padded = LLMEngine(config, cfg, weights), LLMEngine(config, cfg, weights)
     graphs = padded.runner.graphs = DecodeGraphs(padded.runner, cfg, capture=False)
     assert graphs.sizes == ([1, 2, 4] if cfg.is_moe else [1, 2, 4, 8]) and graphs.widths == [8, 16, 32]
