@@ -77,7 +77,10 @@ class Judge:
             roof, nbytes, flops = self.roofline[header["label"]]
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
                                              "compile_us", "method")}
-            self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops))
+            l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
+            cover = int(header.get("sets", 0)) * nbytes / l2 if l2 else 0.0
+            self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops,
+                                              l2_cover=cover))
             self.graph_outputs[header["label"]] = int(header.get("graph_outputs", 0))
         else:
             self.v.gate("protocol", False, f"unexpected frame {kind!r} in the {self.job.stage} stage")

@@ -117,7 +117,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
                             f"the timer stops (timings: {cand.how} {cand_us:.1f} us, {cand_2.how} {cand_us_2:.1f} us)")
                 return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
-             eager_us=eager.us, compile_us=comp.us if comp else None,
+             eager_us=eager.us, compile_us=comp.us if comp else None, sets=len(arg_sets),
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
         for run, timed in (("graph", cand), ("graph-repeat", cand_2)):  # what each timed graph computed
             for j, outs in timed.outputs.items():

@@ -26,7 +26,14 @@ class Method:
     graph: bool = False
 
 
-def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int = 64) -> int:
+# At most this many input sets a shape. Twice an H200's L2 (2 x 60 MiB) is covered down to calls
+# of ~60 KB (every decode shape from batch 8 up); below that the sets stay partly in L2, and each
+# timing says so (ShapeTiming.l2_cover). It was 64 until 2026-12-03: every call under ~1.9 MB
+# (most decode shapes) was then timed on sets that fit in the L2.
+ROTATION_CAP = 2048
+
+
+def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int = ROTATION_CAP) -> int:
     """Input sets to rotate through so that their total is at least twice the L2."""
     if bytes_per_call <= 0:
         return 1

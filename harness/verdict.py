@@ -33,6 +33,10 @@ class ShapeTiming:
     bytes: int
     flops: int
     method: str = "events"  # "graph": CUDA-graph replay; "events": one event pair per call; "wall": CPU
+    # The rotated input sets' bytes over the GPU's L2 (0: not known, or a CPU). Under 2 (the sets
+    # were capped at timing.ROTATION_CAP), repeats may have been served from the L2, for candidate
+    # and baselines alike.
+    l2_cover: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -53,6 +57,8 @@ class ShapeTiming:
             "speedup_vs_eager": self.eager_us / self.best_us,
             "spread": self.spread,
         }
+        if self.l2_cover:
+            m["l2_cover"] = self.l2_cover
         if self.compile_us:
             m["compile_us"] = self.compile_us
             m["compile_pct_roofline"] = 100.0 * self.roofline_us / self.compile_us

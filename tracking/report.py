@@ -53,14 +53,22 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
         out.append("| shape | best candidate | candidate µs (% roofline) | eager µs (%) | torch.compile µs (%) "
                    "| vs compile | spread |")
         out.append("| --- | --- | --- | --- | --- | --- | --- |")
+        warm = False
         for shape, (run, m) in sorted(_shape_rows(group).items(), key=lambda kv: _shape_order(kv[0])):
             point = json.loads(run.data.tags.get(f"{T}candidate", "{}")).get("point", {})
             label = ",".join(f"{k}={v}" for k, v in sorted(point.items())) or run.info.run_name
             vs = m.get("speedup_vs_compile")
+            cover = m.get("l2_cover", 0.0)
+            if 0 < cover < 2:
+                warm = True
+                shape = f"{shape} † ({cover:.1f}x L2)"
             out.append(f"| {shape} | `{label}` | {_cell(m['latency_us'], m.get('pct_roofline'))} "
                        f"| {_cell(m.get('eager_us'), m.get('eager_pct_roofline'))} "
                        f"| {_cell(m.get('compile_us'), m.get('compile_pct_roofline'))} "
                        f"| {f'{vs:.2f}x' if vs else '-'} | {100 * m.get('spread', 0):.1f}% |")
+        if warm:
+            out.append("\n† the rotated input sets total less than twice the GPU's L2 (the set count is "
+                       "capped), so repeats may be served from the L2: for candidate and baselines alike.")
         out.append("")
     return "\n".join(out) if out else f"no passed GPU-timed candidates for {op}\n"
 
