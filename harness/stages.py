@@ -80,9 +80,18 @@ def check_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         send("outputs", result.outputs, item=f"check/{i}")
 
 
+def compile_baseline(op, n_shapes: int, backend: str = "inductor"):
+    """torch.compile of the op's eager code, specialised to each shape (dynamic=False), with
+    room for every shape of the job: past Dynamo's recompile limit (8 by default) a shape would
+    run eager code under the torch.compile label."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, n_shapes + 1)
+    return torch.compile(op.eager, dynamic=False, backend=backend)
+
+
 def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
     dtype, shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
-    compiled = torch.compile(op.eager, dynamic=False) if dev == "cuda" and job.rules.compile_baseline else None
+    compiled = compile_baseline(op, len(plan["shapes"])) if dev == "cuda" and job.rules.compile_baseline else None
     for k, item in enumerate(plan["shapes"]):
         shape = shapes[item["shape"]]
         arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]

@@ -123,3 +123,23 @@ def test_timing_method_says_which_contender_was_not_captured():
     assert method_label(events, events, graph, None) == ("events (not capturable: RuntimeError: sync while "
                                                          "capturing); eager: graph")
     assert method_label(graph, events, graph, None).startswith("graph; repeat: events (not capturable")
+
+
+def test_compiled_baseline_has_room_for_every_shape(monkeypatch):
+    # Ten shapes and more (decode batches 1..128 and prefills): with Dynamo's default limit of 8
+    # recompiles, the ninth shape on would run eager code under the torch.compile label.
+    import torch
+    from torch._dynamo.utils import counters
+
+    from engine_templates.ops.silu_mul import OP
+    from harness.stages import compile_baseline
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # restored after the test
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_baseline(OP, 12, backend="eager")
+    for tokens in range(1, 13):
+        gate, up = torch.randn(tokens, 64), torch.randn(tokens, 64)
+        torch.testing.assert_close(compiled(gate, up), OP.eager(gate, up))
+    assert counters["stats"]["unique_graphs"] == 12
+    torch._dynamo.reset()
