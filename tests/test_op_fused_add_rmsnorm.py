@@ -120,3 +120,12 @@ def test_bytes_and_flops():
     assert OP.bytes(shape, torch.bfloat16) == 144
     assert OP.bytes(shape, torch.float32) == 288
     assert OP.flops(shape) == 80
+
+
+def test_automatic_warps_follow_the_row_width():
+    # num_warps=0, the rows template's default: 16 elements of the power-of-two row a thread,
+    # 4 to 16 warps (8 for qwen3-8b, 4 for qwen3-30b-a3b: the H200's fastest at decode).
+    from engine_templates.ops.rmsnorm.templates import auto_warps
+    assert TEMPLATE.default["num_warps"] == 0 and 0 in TEMPLATE.space["num_warps"]
+    widths = {96: 4, 2048: 4, PRESETS["qwen3-8b"].hidden: 8, 5120: 16, 16384: 16}
+    assert {w: auto_warps(w) for w in widths} == widths

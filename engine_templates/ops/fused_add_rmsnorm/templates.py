@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_templates.ops.rmsnorm.templates import auto_warps
+
 
 @triton.jit
 def _fused_add_rmsnorm_rows(X, R, W, Y, R_OUT, n_rows, n_cols,
@@ -69,7 +71,7 @@ def build(block_n: int, rows_per_program: int, num_warps: int, num_stages: int):
         _fused_add_rmsnorm_rows[grid](x2, r2, weight, y, r_out, n_rows, n_cols,
                                       x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0), eps,
                                       BLOCK_N=block, ROWS=rows_per_program, CHUNKED=block < n_cols,
-                                      num_warps=num_warps, num_stages=num_stages)
+                                      num_warps=num_warps or auto_warps(n_cols), num_stages=num_stages)
         return y.view(x.shape), r_out.view(x.shape)
 
     return fused_add_rmsnorm

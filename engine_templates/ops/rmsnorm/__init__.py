@@ -13,10 +13,10 @@ ROWS_TEMPLATE = Template(
     space={
         "block_n": [0, 256, 512, 1024, 2048],  # 0: the whole row in one block
         "rows_per_program": [1, 2, 4],
-        "num_warps": [1, 2, 4, 8, 16],
+        "num_warps": [0, 1, 2, 4, 8, 16],  # 0: from the row width (templates.auto_warps)
         "num_stages": [1, 2, 3],
     },
-    default={"block_n": 0, "rows_per_program": 1, "num_warps": 4, "num_stages": 1},
+    default={"block_n": 0, "rows_per_program": 1, "num_warps": 0, "num_stages": 1},
 )
 
 

@@ -37,6 +37,15 @@ def _rmsnorm_rows(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps,
             tl.store(y_row + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=m)
 
 
+def auto_warps(n_cols: int) -> int:
+    """Warps for a row of n_cols: 16 elements of the power-of-two row a thread, 4 to 16 warps.
+    Measured on an H200 (docs/BENCHMARKS.md, 2026-12-04, infra/points_probe.py): the fastest
+    whole-row warp count at every decode batch of both presets; 8 for qwen3-8b's 4,096 (rmsnorm
+    1.16-1.25x torch.compile, where 4 warps, the old default, trailed it at 0.94-0.97x) and 4 for
+    qwen3-30b-a3b's 2,048; at prefill within 3% of the best point of the grid."""
+    return min(16, max(4, triton.next_power_of_2(n_cols) // 512))
+
+
 def build(block_n: int, rows_per_program: int, num_warps: int, num_stages: int):
     def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         assert x.shape[-1] == weight.shape[0] and weight.is_contiguous()
@@ -49,7 +58,7 @@ def build(block_n: int, rows_per_program: int, num_warps: int, num_stages: int):
         grid = (triton.cdiv(n_rows, rows_per_program),)
         _rmsnorm_rows[grid](x2, weight, y, n_rows, n_cols, x2.stride(0), y.stride(0), eps,
                             BLOCK_N=block, ROWS=rows_per_program, CHUNKED=block < n_cols,
-                            num_warps=num_warps, num_stages=num_stages)
+                            num_warps=num_warps or auto_warps(n_cols), num_stages=num_stages)
         return y.view(x.shape)
 
     return rmsnorm
