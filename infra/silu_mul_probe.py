@@ -6,13 +6,16 @@ divides the tensor) over blocks and warps, with eager and torch.compile in the s
 torch.compile here is one compiled object called at every shape in turn, as a user would: the
 first shape compiles with static sizes, and the recompile at the second marks the sizes dynamic
 (torch's automatic dynamic shapes). The harness instead compiles with dynamic=False, so that each
-shape has a kernel specialised to its sizes.
+shape has a kernel specialised to its sizes; the probe times that too ("static"), prints the
+Triton source inductor wrote for it (--code), and for the best flat candidate and both compiles
+gives the kernels' own device time from the profiler (CUPTI), so that a gap between two timings
+can be told apart as kernel time or launch time.
 
 Timed as the harness times candidates (harness.timing.median_us) and back to back ("ahead",
 see decode_attention_probe.py). Every line's output is checked against the op's reference.
 
 Usage (a GPU host, repo root): python3 infra/silu_mul_probe.py [--preset qwen3-30b-a3b]
-    [--batches 1,8,32,128]
+    [--batches 1,8,32,128] [--code]
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from torch._inductor.utils import run_and_get_code
 
 from decode_attention_probe import ahead_us
+from points_probe import kernel_us
 from engine_templates.models import PRESETS
 from engine_templates.ops.base import generator
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE, OP
@@ -59,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--code", action="store_true", help="print the static compile's kernel source")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("silu_mul_probe: needs a CUDA GPU")
@@ -78,13 +84,26 @@ def main() -> None:
             e = rel_error(got, want)
             print(f"{name:44s} {t.us:7.2f} us   ahead {ahead_us(fn, arg_sets):7.2f} us  rel.err {e:.1e}"
                   + ("  WRONG" if e > 1e-2 else ""), flush=True)
+            return t.us
 
+        static = torch.compile(OP.eager, dynamic=False)
+        if a.code:
+            _, sources = run_and_get_code(static, *arg_sets[0])
+            print("\n".join(f"    | {line}" for src in sources for line in src.splitlines()))
         show("eager", OP.eager)
         show("torch.compile(eager)", compiled)
+        show("torch.compile(eager, dynamic=False)", static)
+        best = (float("inf"), None, "")
         for block, warps in itertools.product([256, 512, 1024, 2048], [1, 2, 4, 8]):
-            show(f"flat block={block},num_warps={warps}",
-                 FLAT_TEMPLATE.build({"block": block, "num_warps": warps, "num_stages": 1}))
+            fn = FLAT_TEMPLATE.build({"block": block, "num_warps": warps, "num_stages": 1})
+            us = show(f"flat block={block},num_warps={warps}", fn)
+            if us < best[0]:
+                best = (us, fn, f"flat block={block},num_warps={warps}")
             show(f"even32 block={block},num_warps={warps}", even32(block, warps))
+        for name, fn in [(best[2], best[1]), ("torch.compile(eager)", compiled),
+                         ("torch.compile(eager, dynamic=False)", static)]:
+            print(f"kernel time {name:38s} " + ", ".join(
+                f"{k} {us:.2f} us" for k, us in kernel_us(fn, arg_sets).items()), flush=True)
 
 
 if __name__ == "__main__":

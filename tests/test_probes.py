@@ -1,0 +1,51 @@
+"""infra/points_probe.py: its grid parsing, and a smoke run on a CPU (Triton's interpreter:
+the times mean nothing there; the check of every point and the output's form are what is tested)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "infra"))
+
+from points_probe import parse_grid  # noqa: E402
+
+SPACE = {"num_warps": [0, 1, 2, 4, 8, 16], "block_n": [0, 256, 1024]}
+
+
+def test_grid_takes_values_of_the_space():
+    assert parse_grid("num_warps=0,8 block_n=1024", SPACE) == {"num_warps": [0, 8], "block_n": [1024]}
+    assert parse_grid("", SPACE) == {}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("warps=4", "'warps' is not a parameter of the template"),
+    ("num_warps=3", "num_warps=3 is outside the template's space"),
+])
+def test_grid_refuses_what_the_template_cannot_build(text, says):
+    with pytest.raises(SystemExit, match=says):
+        parse_grid(text, SPACE)
+
+
+def test_smoke_run_checks_and_times_every_point():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "infra/points_probe.py", "--op", "fused_add_rmsnorm", "--preset", "tiny",
+                          "--batches", "2", "--grid", "num_warps=0,2 block_n=0,256"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# CPU (Triton interpreter")
+    timed = [line for line in lines if " us (" in line]
+    assert [line.split()[0] for line in timed] == ["eager", "torch.compile"] + [
+        f"rows[block_n={b},num_stages=1,num_warps={w},rows_per_program=1]" for w in (0, 2) for b in (0, 256)]
+    assert "fails the check" not in out.stdout
+
+
+def test_unknown_op_is_one_line():
+    out = subprocess.run([sys.executable, "infra/points_probe.py", "--op", "nope"], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.strip().startswith("points_probe: no op 'nope'")
