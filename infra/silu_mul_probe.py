@@ -71,6 +71,7 @@ def main() -> None:
     dev, l2 = "cuda", torch.cuda.get_device_properties(0).L2_cache_size
     method = Method(dev, warmup_ms=25.0, rep_ms=200.0, graph=True)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    torch._dynamo.config.recompile_limit = 64  # a static compile a shape besides the dynamic one
     compiled = torch.compile(OP.eager)
     for shape in OP.shapes(PRESETS[a.preset], [int(b) for b in a.batches.split(",")], [], []):
         sets = rotation_count(OP.bytes(shape, torch.bfloat16), l2)
