@@ -36,6 +36,7 @@ from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from harness.checks import check_call
 from harness.job import Rules
+from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 
 
@@ -105,21 +106,22 @@ def main() -> None:
     method = Method(dev, rules.warmup_ms, rules.rep_ms, graph=True)
     print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}; "
           f"{a.op} template {template.name!r} at {a.preset}; roofline at {a.copy_tbps} TB/s")
-    torch._dynamo.config.recompile_limit = 64  # one specialised compile a shape, as in the harness
-    # On a CPU smoke run, Dynamo without Inductor (no C++ toolchain needed).
-    compiled = torch.compile(op.eager, dynamic=False, **({} if dev == "cuda" else {"backend": "eager"}))
-    for shape in op.shapes(PRESETS[a.preset], ints(a.batches), ints(a.prefill), ints(a.contexts)):
+    shapes = op.shapes(PRESETS[a.preset], ints(a.batches), ints(a.prefill), ints(a.contexts))
+    # The harness's baseline; on a CPU smoke run Dynamo without Inductor (no C++ toolchain needed).
+    compiled = compile_baseline(op, len(shapes), backend="inductor" if dev == "cuda" else "eager")
+    for shape in shapes:
         nbytes = op.bytes(shape, dtype)
         sets = rotation_count(nbytes, l2)
         arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in range(sets)]
         fresh = op.inputs(shape, dtype, dev, generator(dev, 10_000), "normal")
+        warm = op.inputs(shape, dtype, dev, generator(dev, 10_001), "normal")
         ideal_us = nbytes / (a.copy_tbps * 1e12) * 1e6
         print(f"\n## {shape.label} {shape.dims}: {nbytes / 1e6:.2f} MB a call, {sets} input sets "
               f"({sets * nbytes / l2:.1f}x L2)", flush=True)
         timed: dict[str, float] = {}
 
         def show(name, fn, check=True):
-            fn(*op.inputs(shape, dtype, dev, generator(dev, 10_001), "normal"))  # compiles
+            fn(*warm)  # compiles
             checked = check_call(op, fn, fresh, dtype, dev, rules.rtol) if check else None
             if checked and not checked.ok:
                 print(f"{name:64s} fails the check: {checked.gate}: {checked.detail}", flush=True)

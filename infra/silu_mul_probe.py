@@ -33,6 +33,7 @@ from engine_templates.models import PRESETS
 from engine_templates.ops.base import generator
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE, OP
 from harness.checks import rel_error
+from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 
 
@@ -71,9 +72,10 @@ def main() -> None:
     dev, l2 = "cuda", torch.cuda.get_device_properties(0).L2_cache_size
     method = Method(dev, warmup_ms=25.0, rep_ms=200.0, graph=True)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    torch._dynamo.config.recompile_limit = 64  # a static compile a shape besides the dynamic one
+    shapes = OP.shapes(PRESETS[a.preset], [int(b) for b in a.batches.split(",")], [], [])
+    static = compile_baseline(OP, len(shapes) + 2)  # the harness's; room for the dynamic one's two
     compiled = torch.compile(OP.eager)
-    for shape in OP.shapes(PRESETS[a.preset], [int(b) for b in a.batches.split(",")], [], []):
+    for shape in shapes:
         sets = rotation_count(OP.bytes(shape, torch.bfloat16), l2)
         arg_sets = [OP.inputs(shape, torch.bfloat16, dev, generator(dev, s), "normal") for s in range(sets)]
         want = OP.reference(*arg_sets[-1])
@@ -87,7 +89,6 @@ def main() -> None:
                   + ("  WRONG" if e > 1e-2 else ""), flush=True)
             return t.us
 
-        static = torch.compile(OP.eager, dynamic=False)
         if a.code:
             _, sources = run_and_get_code(static, *arg_sets[0])
             print("\n".join(f"    | {line}" for src in sources for line in src.splitlines()))
