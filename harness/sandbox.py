@@ -4,7 +4,10 @@ It reads its limits on the first line of stdin and applies them (memory, core du
 network) before importing anything heavy, imports the harness, torch and the op while the
 supervisor makes its plan, reads the job and the plan on the second line, notes the identity of every timer and harness function, and only then imports the candidate
 from its scratch directory. Everything it finds goes to the supervisor as frames on FD; it
-decides no verdict — a process that dies or stops reporting is a crash there.
+decides no verdict — a process that dies or stops reporting is a crash there. In the bench
+stage it waits on stdin before timing each shape, until the supervisor has judged what it was
+sent and left the GPU idle (`settle`), so that no work of the supervisor's shares the GPU with
+a timing.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from pathlib import Path
 def main() -> int:
     from harness import limits
 
-    request = json.loads(sys.stdin.readline())
+    stdin = sys.stdin  # this object, whatever the candidate later does to sys.stdin
+    request = json.loads(stdin.readline())
     cpu_only = request["device"] == "cpu"
     memory = limits.cap_memory(request["memory_mb"], cpu_only)
     network = limits.drop_network(allow_user_namespace=cpu_only)
@@ -31,7 +35,7 @@ def main() -> int:
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send
-    line = sys.stdin.readline()
+    line = stdin.readline()
     if not line:  # the supervisor stopped before handing over a job
         return 0
     request |= json.loads(line)
@@ -51,14 +55,27 @@ def main() -> int:
         send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
         send("done")
         return 0
-    run = {"compile": stages.compile_stage, "check": stages.check_stage, "bench": stages.bench_stage}[job.stage]
-    run(job, op, fn, dev, request["plan"], send)
+    if job.stage == "bench":
+        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin))
+    else:
+        {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
     patched = identities.changed()
     if patched:
         send("gate", name="timer_integrity", passed=False,
              detail=f"the candidate replaced {', '.join(patched[:6])}: timers and checks must stay the harness's")
     send("done")
     return 0
+
+
+def _settle(send, stdin) -> bool:
+    """Before a shape is timed: ask the supervisor to finish judging what it was sent and to
+    leave the GPU idle, and wait for its answer. False when the answer is not the expected one
+    (something in this process read or closed stdin)."""
+    send("settle")
+    try:
+        return stdin.readline() == "go\n"
+    except (OSError, ValueError):  # closed, or its descriptor taken away
+        return False
 
 
 if __name__ == "__main__":

@@ -89,7 +89,12 @@ def compile_baseline(op, n_shapes: int, backend: str = "inductor"):
     return torch.compile(op.eager, dynamic=False, backend=backend)
 
 
-def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
+def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,
+                settle: Callable[[], bool] = lambda: True) -> None:
+    """Per shape: eager, torch.compile and the candidate twice, timed on the same rotated input
+    sets; then the probes. `settle` returns once the supervisor has judged every output sent so
+    far and its own GPU work has finished (False: the answer never came right), so that nothing
+    of the supervisor's runs on the GPU while this process times."""
     dtype, shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
     compiled = compile_baseline(op, len(plan["shapes"])) if dev == "cuda" and job.rules.compile_baseline else None
     for k, item in enumerate(plan["shapes"]):
@@ -97,6 +102,11 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
         method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
         asked = "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
+        if not settle():
+            send("gate", name="protocol", passed=False,
+                 detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
+                        "in the candidate's process read or closed its stdin")
+            return
         try:  # the baselines failing is the platform's fault, not the candidate's
             eager = timing.median_us(op.eager, arg_sets, method)
             comp = timing.median_us(compiled, arg_sets, method) if compiled else None

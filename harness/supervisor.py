@@ -111,22 +111,22 @@ class Sandbox:
         self.ended = False
 
     def _write(self, line: dict) -> None:
+        self._write_raw(json.dumps(line).encode() + b"\n")
+
+    def _write_raw(self, data: bytes) -> None:
         try:
-            self.proc.stdin.write(json.dumps(line).encode() + b"\n")
+            self.proc.stdin.write(data)
             self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # it died at once; its exit status says how
+        except (BrokenPipeError, ValueError):
+            pass  # it died (or stdin is closed at its end); its exit status says how
 
     def run(self, judge) -> int | None:
         """Hand over the job and plan, read the report, and end the process and its children."""
         self._write({"job": self.job.to_json(), "plan": judge.plan,
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass  # likewise
+        # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with os.fdopen(self.read_fd, "rb") as stream:
-            judge.read(stream, stop=lambda: _kill(self.proc.pid))
+            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=lambda: self._write_raw(b"go\n"))
         self.end()
         if self.watchdog.tripped:
             judge.memory_exceeded(self.watchdog.tripped)
@@ -138,6 +138,10 @@ class Sandbox:
         self.ended = True
         _kill(self.proc.pid)
         self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the process is gone; nothing was left to flush
         self.watchdog.stop()
         _kill_descendants()
 
