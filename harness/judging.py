@@ -78,9 +78,10 @@ class Judge:
             self._judge(str(header.get("item")), tensors)
         elif kind == "settle" and self.job.stage == "bench":
             # Every frame before this one is judged (frames are read in order); once this
-            # process's GPU work has finished too, the sandbox may time. Judging on the GPU while
-            # it timed moved its baselines' graph replays by up to 20% (silu_mul, qwen3-30b-a3b
-            # decode_b32 on the H200: eager 3.7 against 4.4 us timed alone; docs/BENCHMARKS.md).
+            # process's GPU work has finished too, the sandbox may time. With this judging still
+            # on the GPU, torch.compile's graph replays at the next shape read 15% faster than
+            # timed alone (silu_mul, qwen3-30b-a3b decode_b32 on the H200: 1.81 against 2.14 us;
+            # docs/BENCHMARKS.md, eighth session).
             if self.device == "cuda":
                 torch.cuda.synchronize()
             self._go()
