@@ -49,3 +49,26 @@ def test_unknown_op_is_one_line():
     out = subprocess.run([sys.executable, "infra/points_probe.py", "--op", "nope"], cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().startswith("points_probe: no op 'nope'")
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("infra/diagnostics/stage_vs_probe.py", ["stage", "short"], "stage_vs_probe: needs a CUDA GPU"),
+    ("infra/diagnostics/stage_vs_probe.py", ["sideways"], "MODE is one of stage, stage-first"),
+    ("infra/diagnostics/compile_var.py", ["fresh1"], "compile_var: needs a CUDA GPU"),
+])
+def test_diagnostics_say_what_they_need(script, args, says):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_stage_vs_probe_writes_the_bench_job_the_harness_reads():
+    from harness.job import Job
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "infra/diagnostics/stage_vs_probe.py", "job", "short"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    job = Job.from_json(out.stdout)
+    assert (job.stage, job.candidate.op, [s.label for s in job.shapes]) == \
+        ("bench", "silu_mul", ["decode_b8", "decode_b32", "decode_b128"])
