@@ -45,13 +45,14 @@ def _fused_add_rmsnorm_rows(X, R, W, Y, R_OUT, n_rows, n_cols,
                 tl.store(y_row + start + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=m)
         else:
             m = cols < limit
+            # The weight is loaded with the row, before the reduction (as in RMSNorm's template).
+            w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
             r = tl.load(r_row + cols, mask=m, other=0.0).to(tl.float32)
             s = (x + r).to(R_OUT.dtype.element_ty)
             tl.store(ro_row + cols, s, mask=m)
             s = s.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)
-            w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(y_row + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=m)
 
 
