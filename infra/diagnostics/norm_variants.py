@@ -3,7 +3,8 @@ variants of itself and against torch.compile, timed as the harness times (CUDA g
 sets) and by CUPTI kernel time.
 
     python3 infra/diagnostics/norm_variants.py decode        # both presets, both norms, decode batches
-    python3 infra/diagnostics/norm_variants.py prefill [N]   # qwen3-8b prefill_16384, N interleaved rounds
+    python3 infra/diagnostics/norm_variants.py prefill [N]   # rmsnorm qwen3-8b prefill_16384, N rounds,
+                                                             # each by CUDA graph and by events
     python3 infra/diagnostics/norm_variants.py modes         # fused_add_rmsnorm qwen3-8b decode_b8:
                                                              # torch.compile's modes, one process each time
 
@@ -141,10 +142,13 @@ def prefill(rounds: int) -> None:
     fns = {"copy": lambda a, b: b.copy_(a), "compile": comp, "base": variant(False, False, False, 0),
            "hoist": variant(False, True, False, 0), "evict": variant(False, True, True, 0)}
     print("prefill_16384 sets", len(sets), "bytes", nbytes, flush=True)
+    # The harness times a shape this large with events (not launch-bound): both ways here.
+    events = Method("cuda", METHOD.warmup_ms, METHOD.rep_ms, graph=False)
     for k in range(rounds):
-        us = {n: median_us(f, copy_sets if n == "copy" else sets, METHOD).us for n, f in fns.items()}
-        print(f"round {k} t={time.time():.1f}", " ".join(f"{n} {v:.1f}" for n, v in us.items()),
-              " ".join(f"{n} {100 * us['copy'] / v:.0f}%" for n, v in us.items() if n != "copy"), flush=True)
+        for how, method in (("graph", METHOD), ("events", events)):
+            us = {n: median_us(f, copy_sets if n == "copy" else sets, method).us for n, f in fns.items()}
+            print(f"round {k} {how} t={time.time():.1f}", " ".join(f"{n} {v:.1f}" for n, v in us.items()),
+                  " ".join(f"{n} {100 * us['copy'] / v:.0f}%" for n, v in us.items() if n != "copy"), flush=True)
 
 
 def modes() -> None:
