@@ -45,7 +45,7 @@ class Judge:
             self.roofline[shape.label] = (roof, nbytes, flops)
             n = timing.rotation_count(nbytes, l2) if self.device == "cuda" else 2
             items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
-                          "graph": self.device == "cuda" and roof < self.job.rules.launch_bound_us})
+                          "graph": timing.by_graph(self.device, roof, self.job.rules.launch_bound_us)})
         return {"shapes": items}
 
     # -- reading --------------------------------------------------------------

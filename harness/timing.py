@@ -1,8 +1,8 @@
 """Timing one callable the way a kernel engineer would accept.
 
 On a GPU: warm-up excluded, device events, median of many runs, inputs rotated across
-several sets so that L2 does not serve repeats, and CUDA-graph replay for launch-bound
-shapes so that launch gaps do not hide the kernel. On a CPU (the Triton interpreter) the
+several sets so that L2 does not serve repeats, and CUDA-graph replay for every shape whose
+roofline is under a millisecond (`by_graph`), so that host time between launches is not timed. On a CPU (the Triton interpreter) the
 numbers are wall-clock and say nothing about a GPU; the verdict marks them so.
 """
 from __future__ import annotations
@@ -31,6 +31,19 @@ class Method:
 # timing says so (ShapeTiming.l2_cover). It was 64 until 2026-12-03: every call under ~1.9 MB
 # (most decode shapes) was then timed on sets that fit in the L2.
 ROTATION_CAP = 2048
+
+
+def by_graph(device: str, roofline_us: float, launch_bound_us: float) -> bool:
+    """Whether a shape is timed by CUDA-graph replay (candidate and baselines alike): on a GPU,
+    when its roofline is under `launch_bound_us` (Rules, 1 ms). Events time one call between
+    two events, and when the host takes longer to issue a call than the device to run it
+    (torch.compile's guards and wrapper took up to ~0.14 ms a call in a flow on the H200's host),
+    the device waits between calls and the wait is timed too. A graph replay issues every call
+    of a replay at once. Past the bound a call's device time outweighs its host time ~7 to 1 or
+    more. (docs/BENCHMARKS.md, 2026-12-04 ninth session: rmsnorm at qwen3-8b prefill_16384,
+    roofline 63 us, timed with events at 67.5-76 us for the same kernel and 76-141 us for
+    torch.compile, and by graph at 67.2-67.3 and 76.1-76.7.)"""
+    return device == "cuda" and roofline_us < launch_bound_us
 
 
 def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int = ROTATION_CAP) -> int:

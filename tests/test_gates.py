@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from flows.pipeline import run_stages
 from flows.target import Target
@@ -117,6 +118,25 @@ def test_ops_declare_their_persistent_arguments():
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
         "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}}
+
+
+def test_shapes_under_a_millisecond_of_roofline_are_timed_by_graph():
+    """Events would time the host's issue time with the call wherever the host is the slower
+    (docs/BENCHMARKS.md, ninth session): every shape under 1 ms of roofline is graph-timed on a
+    GPU, the large prefill calls included; a call far past it keeps events; a CPU never graphs."""
+    from engine_templates.models import PRESETS
+    from engine_templates.ops import get_op
+    from harness.job import Rules
+    from harness.timing import by_graph
+
+    bound, h200_copy = Rules().launch_bound_us, 4.25e6  # bytes a microsecond (../shared/ANCHORS.md)
+    rms = get_op("rmsnorm")
+    big = rms.shapes(PRESETS["qwen3-8b"], [], [16384], [])[0]
+    roof = rms.bytes(big, torch.bfloat16) / h200_copy
+    assert 60 < roof < 70 and by_graph("cuda", roof, bound) and not by_graph("cpu", roof, bound)
+    attn = get_op("decode_attention")
+    longest = [s for s in attn.shapes(PRESETS["qwen3-8b"], [128], [], [32768]) if "contig" in s.label][0]
+    assert not by_graph("cuda", attn.bytes(longest, torch.bfloat16) / h200_copy, bound)
 
 
 def test_timing_method_says_which_contender_was_not_captured():
