@@ -6,6 +6,8 @@
 #   OUT=dir [RESTORE=home.tgz] [ARCHIVE=file.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
 # OP_TIMEOUT: one op's wall-clock budget (no candidate starts that would end after it); a
 # stage still running HARD_MARGIN (180) s later is interrupted. Finished candidates stay tracked.
+# The hard limit counts from the start of `infersmith optimize`, which on a fresh host spends ~60 s
+# before its flow starts (Prefect's server): keep HARD_MARGIN at 100 or more.
 # EXTRA: more `infersmith optimize` options, e.g. EXTRA="--decode-batches 1,32".
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}

@@ -55,6 +55,9 @@ def test_unknown_op_is_one_line():
     ("infra/diagnostics/stage_vs_probe.py", ["stage", "short"], "stage_vs_probe: needs a CUDA GPU"),
     ("infra/diagnostics/stage_vs_probe.py", ["sideways"], "MODE is one of stage, stage-first"),
     ("infra/diagnostics/compile_var.py", ["fresh1"], "compile_var: needs a CUDA GPU"),
+    ("infra/diagnostics/norm_variants.py", ["decode"], "norm_variants: needs a CUDA GPU"),
+    ("infra/diagnostics/bench_job.py", ["nope"], "bench_job: name an op: rmsnorm"),
+    ("infra/diagnostics/bench_job.py", ["rmsnorm", "qwen9"], "bench_job: no preset 'qwen9'"),
 ])
 def test_diagnostics_say_what_they_need(script, args, says):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
@@ -72,3 +75,15 @@ def test_stage_vs_probe_writes_the_bench_job_the_harness_reads():
     job = Job.from_json(out.stdout)
     assert (job.stage, job.candidate.op, [s.label for s in job.shapes]) == \
         ("bench", "silu_mul", ["decode_b8", "decode_b32", "decode_b128"])
+
+
+def test_bench_job_is_the_template_default_at_the_prefill_shapes():
+    from harness.job import Job
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "infra/diagnostics/bench_job.py", "fused_add_rmsnorm"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    job = Job.from_json(out.stdout)
+    assert (job.stage, job.model, job.candidate.template, [s.label for s in job.shapes]) == \
+        ("bench", "qwen3-8b", "rows", ["prefill_2048", "prefill_16384"])
+    assert job.candidate.point["num_warps"] == 0 and job.rules.launch_bound_us == 1000.0
