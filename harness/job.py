@@ -79,8 +79,9 @@ class Rules:
     rep_ms: float = 100.0
     sol_margin: float = 1.10  # speed-of-light: achieved rate above margin x ceiling is rejected
     # Shapes whose roofline is under this are timed by CUDA-graph replay (harness.timing.by_graph).
-    # It was 50 until 2026-12-04: calls of 50-150 us were timed with events, and their host time
-    # (up to ~0.14 ms a call for torch.compile's wrapper in a flow) fell into the timing.
+    # It was 50 until 2026-12-04: calls of 60-140 us were timed with events, and the host's time to
+    # issue them fell into the timing (torch.compile's rmsnorm at 16384 x 4096: 141 us by events
+    # in a flow, 77 us by graph; docs/BENCHMARKS.md ninth session).
     launch_bound_us: float = 1000.0
     compile_baseline: bool = True
     memory_mb: int = 16384  # resident host memory of the candidate's process before it is killed
