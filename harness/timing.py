@@ -38,9 +38,9 @@ def by_graph(device: str, roofline_us: float, launch_bound_us: float) -> bool:
     when its roofline is under `launch_bound_us` (Rules, 1 ms). Events time one call between
     two events, and when the host takes longer to issue a call than the device to run it
     (torch.compile's guards and wrapper do the most host work), the device waits between calls
-    and the wait is timed too. A graph replay issues every call
-    of a replay at once. Past the bound a call's device time outweighs its host time ~7 to 1 or
-    more. (docs/BENCHMARKS.md, 2026-12-04 ninth session: rmsnorm at qwen3-8b prefill_16384,
+    and the wait is timed too. A graph replay issues every call of a replay at once. Past the
+    bound a call keeps the device busy for at least 1 ms, seven times the longest events figure
+    seen for torch.compile at these shapes (141 us). (docs/BENCHMARKS.md, 2026-12-04 ninth session: rmsnorm at qwen3-8b prefill_16384,
     roofline 63 us, timed with events at 67.5-76 us for the same kernel and 76-141 us for
     torch.compile, and by graph at 67.2-67.3 and 76.1-76.7.)"""
     return device == "cuda" and roofline_us < launch_bound_us
