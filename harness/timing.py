@@ -2,8 +2,8 @@
 
 On a GPU: warm-up excluded, device events, median of many runs, inputs rotated across
 several sets so that L2 does not serve repeats, and CUDA-graph replay for every shape whose
-roofline is under a millisecond (`by_graph`), so that host time between launches is not timed. On a CPU (the Triton interpreter) the
-numbers are wall-clock and say nothing about a GPU; the verdict marks them so.
+roofline is under a millisecond (`by_graph`), so that host time between launches is not timed.
+On a CPU (the Triton interpreter) the numbers are wall-clock and say nothing about a GPU; the verdict marks them so.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def by_graph(device: str, roofline_us: float, launch_bound_us: float) -> bool:
     (torch.compile's guards and wrapper do the most host work), the device waits between calls
     and the wait is timed too. A graph replay issues every call of a replay at once. Past the
     bound a call keeps the device busy for at least 1 ms, seven times the longest events figure
-    seen for torch.compile at these shapes (141 us). (docs/BENCHMARKS.md, 2026-12-04 ninth session: rmsnorm at qwen3-8b prefill_16384,
-    roofline 63 us, timed with events at 67.5-76 us for the same kernel and 76-141 us for
-    torch.compile, and by graph at 67.2-67.3 and 76.1-76.7.)"""
+    seen for torch.compile at these shapes (141 us). docs/BENCHMARKS.md, 2026-12-04 ninth
+    session: rmsnorm at qwen3-8b prefill_16384, roofline 63 us, timed with events at 67.5-76 us
+    for the same kernel and 76-141 us for torch.compile, and by graph at 67.2-67.3 and 76.1-76.7."""
     return device == "cuda" and roofline_us < launch_bound_us
 
 
