@@ -3,7 +3,8 @@
 On a GPU: warm-up excluded, device events, median of many runs, inputs rotated across
 several sets so that L2 does not serve repeats, and CUDA-graph replay for every shape whose
 roofline is under a millisecond (`by_graph`), so that host time between launches is not timed.
-On a CPU (the Triton interpreter) the numbers are wall-clock and say nothing about a GPU; the verdict marks them so.
+On a CPU (the Triton interpreter) the numbers are wall-clock and say nothing about a GPU; the
+verdict marks them so.
 """
 from __future__ import annotations
 
