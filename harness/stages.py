@@ -80,13 +80,14 @@ def check_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
         send("outputs", result.outputs, item=f"check/{i}")
 
 
-def compile_baseline(op, n_shapes: int, backend: str = "inductor"):
+def compile_baseline(op, n_shapes: int, backend: str = "inductor", **compile_kw):
     """torch.compile of the op's eager code, specialised to each shape (dynamic=False), with
     room for every shape of the job: past Dynamo's recompile limit (8 by default) a shape would
-    run eager code under the torch.compile label."""
+    run eager code under the torch.compile label. `compile_kw` (a mode, Inductor options) is for
+    the diagnostics that compare torch.compile's settings; the harness passes none."""
     dynamo = torch._dynamo.config
     dynamo.recompile_limit = max(dynamo.recompile_limit, n_shapes + 1)
-    return torch.compile(op.eager, dynamic=False, backend=backend)
+    return torch.compile(op.eager, dynamic=False, backend=backend, **compile_kw)
 
 
 def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,

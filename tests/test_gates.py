@@ -159,7 +159,6 @@ def test_timing_method_says_which_contender_was_not_captured():
 def test_compiled_baseline_has_room_for_every_shape(monkeypatch):
     # Ten shapes and more (decode batches 1..128 and prefills): with Dynamo's default limit of 8
     # recompiles, the ninth shape on would run eager code under the torch.compile label.
-    import torch
     from torch._dynamo.utils import counters
 
     from engine_templates.ops.silu_mul import OP

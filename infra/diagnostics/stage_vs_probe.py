@@ -19,7 +19,7 @@ from engine_templates.ops.base import generator
 from harness.job import Job, Candidate
 from harness import stages
 from harness.supervisor import fresh_seeds
-from harness.timing import Method, median_us, rotation_count
+from harness.timing import Method, by_graph, median_us, rotation_count
 
 order = sys.argv[1] if len(sys.argv) > 1 else ""
 if order not in ("stage", "stage-first", "probe-first", "job"):
@@ -45,7 +45,7 @@ fn = FLAT_TEMPLATE.build(dict(FLAT_TEMPLATE.default))
 COPY_BYTES_PER_US = 4.25e6
 counts = [rotation_count(OP.bytes(s, bf), l2) for s in shapes]
 plan = {"shapes": [{"shape": s.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
-                    "graph": OP.bytes(s, bf) / COPY_BYTES_PER_US < job.rules.launch_bound_us}
+                    "graph": by_graph("cuda", OP.bytes(s, bf) / COPY_BYTES_PER_US, job.rules.launch_bound_us)}
                    for s, n in zip(shapes, counts)]}
 
 
