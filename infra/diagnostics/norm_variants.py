@@ -175,7 +175,10 @@ if __name__ == "__main__":
     if what == "decode":
         decode()
     elif what == "prefill":
-        prefill(int(sys.argv[2]) if len(sys.argv) > 2 else 6)
+        rounds = sys.argv[2] if len(sys.argv) > 2 else "6"
+        if not rounds.isdigit() or int(rounds) < 1:
+            raise SystemExit(f"norm_variants: prefill takes a count of rounds (1 or more), not {rounds!r}")
+        prefill(int(rounds))
     elif what == "modes":
         modes()
     else:
