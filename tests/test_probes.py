@@ -56,6 +56,8 @@ def test_unknown_op_is_one_line():
     ("infra/diagnostics/stage_vs_probe.py", ["sideways"], "MODE is one of stage, stage-first"),
     ("infra/diagnostics/compile_var.py", ["fresh1"], "compile_var: needs a CUDA GPU"),
     ("infra/diagnostics/norm_variants.py", ["decode"], "norm_variants: needs a CUDA GPU"),
+    ("infra/diagnostics/norm_variants.py", ["sideways"], "norm_variants: say decode, prefill [rounds] or modes"),
+    ("infra/diagnostics/norm_variants.py", ["prefill", "x"], "prefill takes a count of rounds (1 or more), not 'x'"),
     ("infra/diagnostics/bench_job.py", ["nope"], "bench_job: name an op: rmsnorm"),
     ("infra/diagnostics/bench_job.py", ["rmsnorm", "qwen9"], "bench_job: no preset 'qwen9'"),
 ])

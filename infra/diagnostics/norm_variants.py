@@ -20,6 +20,13 @@ import os
 import sys
 import time
 
+WHAT = sys.argv[1] if len(sys.argv) > 1 else ""
+ROUNDS = sys.argv[2] if len(sys.argv) > 2 else "6"
+if WHAT not in ("decode", "prefill", "modes"):
+    raise SystemExit("norm_variants: say decode, prefill [rounds] or modes")
+if WHAT == "prefill" and not (ROUNDS.isdigit() and int(ROUNDS) >= 1):
+    raise SystemExit(f"norm_variants: prefill takes a count of rounds (1 or more), not {ROUNDS!r}")
+
 sys.path.insert(0, "infra")
 import torch
 
@@ -171,15 +178,4 @@ def modes() -> None:
 
 
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else ""
-    if what == "decode":
-        decode()
-    elif what == "prefill":
-        rounds = sys.argv[2] if len(sys.argv) > 2 else "6"
-        if not rounds.isdigit() or int(rounds) < 1:
-            raise SystemExit(f"norm_variants: prefill takes a count of rounds (1 or more), not {rounds!r}")
-        prefill(int(rounds))
-    elif what == "modes":
-        modes()
-    else:
-        raise SystemExit("norm_variants: say decode, prefill [rounds] or modes")
+    {"decode": decode, "prefill": lambda: prefill(int(ROUNDS)), "modes": modes}[WHAT]()
