@@ -60,6 +60,9 @@ def test_unknown_op_is_one_line():
     ("infra/diagnostics/norm_variants.py", ["prefill", "x"], "prefill takes a count of rounds (1 or more), not 'x'"),
     ("infra/diagnostics/bench_job.py", ["nope"], "bench_job: name an op: rmsnorm"),
     ("infra/diagnostics/bench_job.py", ["rmsnorm", "qwen9"], "bench_job: no preset 'qwen9'"),
+    ("infra/diagnostics/fixed_cost.py", [], "fixed_cost: needs a CUDA GPU"),
+    ("infra/diagnostics/fixed_cost.py", ["prefill"], "fixed_cost: takes no arguments"),
+    ("infra/diagnostics/silu_persistent.py", [], "silu_persistent: needs a CUDA GPU"),
 ])
 def test_diagnostics_say_what_they_need(script, args, says):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
