@@ -44,3 +44,33 @@ def test_the_report_marks_shapes_whose_input_sets_fit_in_the_l2(tmp_path, monkey
     assert "prefill_2048" in rows and "decode_b8" in rows  # covered, or not known (a CPU, an old run)
     assert "`block=1024,num_stages=1,num_warps=4`" in rows["prefill_2048"]
     assert "† the rotated input sets total less than twice the GPU's L2" in table
+
+
+def test_the_report_calls_a_difference_within_the_spread_a_tie(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker(TrackingConfig.from_env())
+    scope = RunScope("rmsnorm", "qwen3-8b", "qwen3-8b/bf16/d1/p2048", "h200")
+    parent = tracker.start_parent("optimization", scope, "tie-test", {})
+    cand = Candidate("rmsnorm", "template", "rows", {"block_n": 0, "rows_per_program": 1, "num_warps": 0,
+                                                      "num_stages": 1})
+
+    def timing(label, us, repeat, compile_us):
+        return ShapeTiming(label, {}, us, repeat, 3 * us, compile_us, roofline_us=us / 2, bytes=1 << 20,
+                           flops=0, method="graph", l2_cover=2.5)
+
+    verdict = Verdict("rmsnorm", cand.id, device={"gpu_timing": True, "name": "NVIDIA H200", "torch": "2.11"},
+                      timings=[timing("decode_b8", 2.000, 2.010, 2.008),    # 0.4% faster, spread 0.5%: tie
+                               timing("decode_b32", 2.000, 2.004, 2.050),   # 2.5% faster, spread 0.2%
+                               timing("decode_b128", 2.000, 2.002, 1.990),  # 0.5% slower, spread 0.1%
+                               timing("prefill_2048", 10.0, 10.1, 9.95),    # 0.5% slower, spread 1%: tie
+                               timing("prefill_16384", 141.44, 141.44, 141.312)])  # 0.09% slower, spread 0
+    tracker.finish_candidate(tracker.open_candidate(parent, scope, cand), cand, verdict, Charge())
+
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
+            for line in report(tracker, "rmsnorm").splitlines() if line.startswith("| ")}
+    assert rows["decode_b8"][5] == "1.004x tie"
+    assert rows["decode_b32"][5] == "1.02x"
+    assert rows["decode_b128"][5] == "0.99x"
+    assert rows["prefill_2048"][5] == "0.995x tie"
+    assert rows["prefill_16384"][5] == "0.999x"  # not a tie, and not hidden as 1.00x

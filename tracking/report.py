@@ -2,7 +2,8 @@
 
 For every shape: the fastest passed candidate on that shape (an engine dispatches per shape),
 with torch eager and torch.compile timed in the same process, each as % of the roofline
-measured on that device, and the spread between two timings of the candidate.
+measured on that device, and the spread between two timings of the candidate. A ratio to
+torch.compile within that spread is marked `tie`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def _shape_rows(runs: list[Run]) -> dict[str, tuple[Run, dict[str, float]]]:
             if "latency_us" in m and (shape not in best or m["latency_us"] < best[shape][1]["latency_us"]):
                 best[shape] = (run, m)
     return best
+
+
+def _versus(ratio: float | None, spread: float) -> str:
+    """torch.compile's time over the candidate's, and `tie` where the two differ by no more than
+    the spread between the candidate's own two timings: a difference the candidate's timing does
+    not reproduce says nothing about which is faster. A tie, or a ratio that two decimals would
+    round to 1.00x, is printed with three, so that the direction and the size stay visible."""
+    if not ratio:
+        return "-"
+    if abs(ratio - 1.0) <= spread:
+        return f"{ratio:.3f}x tie"
+    return f"{ratio:.3f}x" if abs(ratio - 1.0) < 0.005 else f"{ratio:.2f}x"
 
 
 def _cell(us: float | None, pct: float | None) -> str:
@@ -65,7 +78,7 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
             out.append(f"| {shape} | `{label}` | {_cell(m['latency_us'], m.get('pct_roofline'))} "
                        f"| {_cell(m.get('eager_us'), m.get('eager_pct_roofline'))} "
                        f"| {_cell(m.get('compile_us'), m.get('compile_pct_roofline'))} "
-                       f"| {f'{vs:.2f}x' if vs else '-'} | {100 * m.get('spread', 0):.1f}% |")
+                       f"| {_versus(vs, m.get('spread', 0.0))} | {100 * m.get('spread', 0):.1f}% |")
         if warm:
             out.append("\n† the rotated input sets total less than twice the GPU's L2 (the set count is "
                        "capped), so repeats may be served from the L2: for candidate and baselines alike.")
