@@ -26,17 +26,23 @@ def _timing(label: str, us: float, l2_cover: float) -> ShapeTiming:
                        flops=0, method="graph", l2_cover=l2_cover)
 
 
-def test_the_report_marks_shapes_whose_input_sets_fit_in_the_l2(tmp_path, monkeypatch):
+def _logged(tmp_path, monkeypatch, cand: Candidate, timings: list[ShapeTiming]) -> Tracker:
+    """A real tracking store under tmp_path holding one passed, GPU-timed candidate."""
     monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     tracker = Tracker(TrackingConfig.from_env())
-    scope = RunScope("silu_mul", "qwen3-8b", "qwen3-8b/bf16/d1/p2048", "h200")
+    scope = RunScope(cand.op, "qwen3-8b", "qwen3-8b/bf16/d1/p2048", "h200")
     parent = tracker.start_parent("optimization", scope, "report-test", {})
-    cand = Candidate("silu_mul", "template", "flat", {"block": 1024, "num_warps": 4, "num_stages": 1})
-    verdict = Verdict("silu_mul", cand.id, device={"gpu_timing": True, "name": "NVIDIA H200", "torch": "2.11"},
-                      timings=[_timing("decode_b1", 1.2, 0.4), _timing("prefill_2048", 20.0, 2.1),
-                               _timing("decode_b8", 1.3, 0.0)])
+    verdict = Verdict(cand.op, cand.id, device={"gpu_timing": True, "name": "NVIDIA H200", "torch": "2.11"},
+                      timings=timings)
     tracker.finish_candidate(tracker.open_candidate(parent, scope, cand), cand, verdict, Charge())
+    return tracker
+
+
+def test_the_report_marks_shapes_whose_input_sets_fit_in_the_l2(tmp_path, monkeypatch):
+    cand = Candidate("silu_mul", "template", "flat", {"block": 1024, "num_warps": 4, "num_stages": 1})
+    tracker = _logged(tmp_path, monkeypatch, cand, [_timing("decode_b1", 1.2, 0.4), _timing("prefill_2048", 20.0, 2.1),
+                                                    _timing("decode_b8", 1.3, 0.0)])
 
     table = report(tracker, "silu_mul")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
@@ -47,11 +53,6 @@ def test_the_report_marks_shapes_whose_input_sets_fit_in_the_l2(tmp_path, monkey
 
 
 def test_the_report_calls_a_difference_within_the_spread_a_tie(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    tracker = Tracker(TrackingConfig.from_env())
-    scope = RunScope("rmsnorm", "qwen3-8b", "qwen3-8b/bf16/d1/p2048", "h200")
-    parent = tracker.start_parent("optimization", scope, "tie-test", {})
     cand = Candidate("rmsnorm", "template", "rows", {"block_n": 0, "rows_per_program": 1, "num_warps": 0,
                                                       "num_stages": 1})
 
@@ -59,13 +60,12 @@ def test_the_report_calls_a_difference_within_the_spread_a_tie(tmp_path, monkeyp
         return ShapeTiming(label, {}, us, repeat, 3 * us, compile_us, roofline_us=us / 2, bytes=1 << 20,
                            flops=0, method="graph", l2_cover=2.5)
 
-    verdict = Verdict("rmsnorm", cand.id, device={"gpu_timing": True, "name": "NVIDIA H200", "torch": "2.11"},
-                      timings=[timing("decode_b8", 2.000, 2.010, 2.008),    # 0.4% faster, spread 0.5%: tie
-                               timing("decode_b32", 2.000, 2.004, 2.050),   # 2.5% faster, spread 0.2%
-                               timing("decode_b128", 2.000, 2.002, 1.990),  # 0.5% slower, spread 0.1%
-                               timing("prefill_2048", 10.0, 10.1, 9.95),    # 0.5% slower, spread 1%: tie
-                               timing("prefill_16384", 141.44, 141.44, 141.312)])  # 0.09% slower, spread 0
-    tracker.finish_candidate(tracker.open_candidate(parent, scope, cand), cand, verdict, Charge())
+    tracker = _logged(tmp_path, monkeypatch, cand, [
+        timing("decode_b8", 2.000, 2.010, 2.008),           # 0.4% faster, spread 0.5%: tie
+        timing("decode_b32", 2.000, 2.004, 2.050),          # 2.5% faster, spread 0.2%
+        timing("decode_b128", 2.000, 2.002, 1.990),         # 0.5% slower, spread 0.1%
+        timing("prefill_2048", 10.0, 10.1, 9.95),           # 0.5% slower, spread 1%: tie
+        timing("prefill_16384", 141.44, 141.44, 141.312)])  # 0.09% slower, spread 0
 
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
             for line in report(tracker, "rmsnorm").splitlines() if line.startswith("| ")}
