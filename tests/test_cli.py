@@ -106,3 +106,23 @@ def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_pa
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
     assert "has database schema f4a9b2c7d1e6" in done.stderr and "a newer MLflow wrote it" in done.stderr
     assert "controller_wheels.sh" in done.stderr
+
+
+def test_a_store_that_refuses_to_create_an_experiment_is_one_line_naming_why(tmp_path, monkeypatch, capsys):
+    """Only a lost race to create the experiment (it exists now) is taken as one: a store that
+    cannot write (here a SQLite file opened read-only) is one line with MLflow's reason."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()  # a store, made
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///file:{tmp_path / 'mlflow.db'}?mode=ro&uri=true")
+    before = mlflow.get_tracking_uri()
+    try:
+        code, out, err = run(capsys, "leaderboard", "--op", "rmsnorm")
+    finally:
+        mlflow.set_tracking_uri(before)
+    # (MLflow's SQL store logs the database error itself first, traceback included)
+    ours = err.strip().splitlines()[-1]
+    assert code == 1 and out == "" and "AttributeError" not in err
+    assert ours.startswith("infersmith: cannot create the experiment infersmith-rmsnorm in the tracking store")
+    assert ours.endswith("attempt to write a readonly database")

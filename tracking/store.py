@@ -68,6 +68,9 @@ def experiment_id(c: MlflowClient, cfg: TrackingConfig, op: str) -> str:
     try:
         return c.create_experiment(name, artifact_location=cfg.artifact_root and f"{cfg.artifact_root}/{op}",
                                    tags={"infersmith.op": op})
-    except mlflow.exceptions.MlflowException:
-        # Another flow created it between our look and our create.
-        return c.get_experiment_by_name(name).experiment_id
+    except mlflow.exceptions.MlflowException as e:
+        raced = c.get_experiment_by_name(name)  # another flow created it between our look and our create
+        if raced is not None:
+            return raced.experiment_id
+        raise TrackingStoreError(f"cannot create the experiment {name} in the tracking store {cfg.uri}: "
+                                 f"{e.message.splitlines()[0]}") from None
