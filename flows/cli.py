@@ -170,7 +170,7 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_leaderboard(args) -> int:
-    from tracking.history import leaderboard
+    from tracking.history import board
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
 
@@ -179,9 +179,14 @@ def cmd_leaderboard(args) -> int:
 
     if args.model and args.model not in PRESETS:
         raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
-    rows = leaderboard(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
+    ranked = board(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
+    rows = ranked.entries
+    n = ranked.fallbacks
+    left_out = (f"{n} passed candidate{'s' if n != 1 else ''} flagged reference_fallback left out (PyTorch's "
+                f"own {op.name} inside: the speed is torch's)") if n else ""
     if not rows:
-        print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else ""))
+        print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else "")
+              + (f" ({left_out})" if left_out else ""))
         return 0
     print(f"{'#':>3}  {'score':>7}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  {'device':<14}  candidate")
     for e in rows:
@@ -189,6 +194,8 @@ def cmd_leaderboard(args) -> int:
         note = "" if e.gpu_timing else " (interpreter timing)"
         print(f"{e.rank:>3}  {fmt(e.score):>7}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
               f"{fmt(e.pct_roofline, '%'):>6}  {e.device[:14]:<14}  {e.label}  [{e.target}]{note}")
+    if left_out:
+        print(left_out)
     return 0
 
 

@@ -84,7 +84,9 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
     done, passed, best, started = 0, 0, None, time.monotonic()
     try:
         s.start()
-        options = kernel_choices(s.tracker, target.model, kernels_per_op, s.out / "kernels")
+        options = kernel_choices(s.tracker, target.model, target.dtype,
+                                 None if s.scope.gpu_class == "mixed" else s.scope.gpu_class, kernels_per_op,
+                                 s.out / "kernels")
         search = EngineProposer(proposer, options, any(slot.gpu is not None for slot in s.slots), seed)
         print(f"optimizing the engine on {model_dir} for {s.scope.target_key} against {target.serving.baseline} "
               f"with {proposer} on {', '.join(slot.label for slot in s.slots)}; tracking run {s.parent}")

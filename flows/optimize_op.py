@@ -19,7 +19,7 @@ from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
 from harness.job import Candidate
 from tasks.stages import propose
-from tracking.history import leaderboard, trials
+from tracking.history import board, trials
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
@@ -153,14 +153,18 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise
     reason = progress.stop_reason() or exhausted or "no candidate left to run"
-    board = [e.__dict__ for e in leaderboard(tracker, op, target.model, limit=10) if e.target == target.key()]
+    ranked = board(tracker, op, target.model, limit=10, target=target.key(),
+                   gpu_class=None if scope.gpu_class == "mixed" else scope.gpu_class)
+    rows = [e.__dict__ for e in ranked.entries]
+    left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
     print(f"stopped: {reason}. {progress.passed}/{progress.done} passed"
           + (f"; best score {progress.best:.3g}x" if progress.best else ""))
-    create_table_artifact(table=board or [{"result": "no candidate passed"}],
+    create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
-                          description=f"{op} on {target.key()}: passed candidates, best score first")
+                          description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
+                                      "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
     tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
-                          {"leaderboard.json": board, "stop_reason.json": {"reason": reason}})
+                          {"leaderboard.json": rows, "stop_reason.json": {"reason": reason}})
     return {"parent_run_id": parent, "stop_reason": reason, **progress.metrics()}
 
 

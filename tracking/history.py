@@ -18,14 +18,17 @@ def _quote(v: str) -> str:
     return "'" + v.replace("'", "\\'") + "'"
 
 
-def _filter(**tags: str) -> str:
-    return " AND ".join(f"tags.`{T}{k}` = {_quote(v)}" for k, v in tags.items())
+def _filter(like: dict[str, str], **tags: str) -> str:
+    return " AND ".join([f"tags.`{T}{k}` = {_quote(v)}" for k, v in tags.items()]
+                        + [f"tags.`{T}{k}` LIKE {_quote(v)}" for k, v in like.items()])
 
 
-def search(tracker: Tracker, op: str, order_by: list[str] | None = None, **tags: str) -> list[Run]:
+def search(tracker: Tracker, op: str, order_by: list[str] | None = None, like: dict[str, str] | None = None,
+           **tags: str) -> list[Run]:
+    """Candidate runs of `op` whose tags equal `tags` and match the LIKE patterns of `like`."""
     runs, token = [], None
     while True:
-        page = tracker.client.search_runs([tracker.experiment(op)], _filter(kind="candidate", op=op, **tags),
+        page = tracker.client.search_runs([tracker.experiment(op)], _filter(like or {}, kind="candidate", op=op, **tags),
                                           run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
                                           order_by=order_by, page_token=token)
         runs.extend(page)
@@ -59,24 +62,50 @@ class Entry:
     run_id: str
 
 
-def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int = 20) -> list[Entry]:
-    """Passed candidates, best score first, each candidate once (its best run)."""
-    tags = {"status": "pass"} | ({"model": model} if model else {})
-    runs = search(tracker, op, order_by=["metrics.score DESC"], **tags)
-    seen, out = set(), []
+def flags(run: Run) -> set[str]:
+    """The verdict's screening flags (tag `infersmith.flags`; none on runs logged before it existed)."""
+    return {f for f in run.data.tags.get(f"{T}flags", "").split(",") if f}
+
+
+@dataclass(frozen=True)
+class Board:
+    entries: list[Entry]
+    fallbacks: int  # passed candidates left out as `reference_fallback`: their speed is torch's
+
+
+def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, *, target: str | None = None,
+          dtype: str | None = None, gpu_class: str | None = None, gpu_timing: bool = False) -> Board:
+    """Passed candidates, best score first, each candidate once per target and device (its best
+    run), of this model, target key, dtype and GPU class where given, timed on a GPU if
+    `gpu_timing`: selected before the first `limit` are taken. A candidate flagged
+    `reference_fallback` calls PyTorch's own implementation of the op; it is counted, not ranked."""
+    tags = {"status": "pass"} | ({"model": model} if model else {}) | ({"target": target} if target else {})
+    tags |= ({"gpu_class": gpu_class} if gpu_class else {}) | ({"gpu_timing": "true"} if gpu_timing else {})
+    # A target key is model/dtype/workload: LIKE's `_` matches any one character, so the prefix is
+    # checked again below.
+    prefix = f"{model or '%'}/{dtype}/" if dtype else ""
+    runs = search(tracker, op, order_by=["metrics.score DESC"], like={"target": prefix + "%"} if prefix else None, **tags)
+    seen, out, fallbacks = set(), [], set()
     for run in runs:
         t, m = run.data.tags, run.data.metrics
         key = (t.get(f"{T}candidate_id"), t.get(f"{T}target"), t.get(f"{T}device"))
-        if key in seen or "score" not in m:
+        if key in seen or "score" not in m or (dtype and (key[1] or "").split("/")[1:2] != [dtype]):
             continue
         seen.add(key)
-        out.append(Entry(len(out) + 1, run.info.run_name or key[0], key[0] or "", m["score"],
-                         m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
-                         m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
-                         t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
-        if len(out) >= limit:
-            break
-    return out
+        if "reference_fallback" in flags(run):
+            fallbacks.add(key)
+            continue
+        if len(out) < limit:
+            out.append(Entry(len(out) + 1, run.info.run_name or key[0], key[0] or "", m["score"],
+                             m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
+                             m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
+                             t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
+    return Board(out, len(fallbacks))
+
+
+def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, **where) -> list[Entry]:
+    """board()'s entries."""
+    return board(tracker, op, model, limit, **where).entries
 
 
 def engine_trials(tracker: Tracker, scope: RunScope) -> list[EngineTrial]:
@@ -93,22 +122,29 @@ def engine_trials(tracker: Tracker, scope: RunScope) -> list[EngineTrial]:
     return out
 
 
-def kernel_choices(tracker: Tracker, model: str, per_op: int, dest: Path) -> dict[str, list[dict]]:
-    """Per engine op: eager, then the best `per_op` passed candidates of its leaderboard that were
-    timed on a GPU, as kernels-file choices (a free candidate's source is fetched into dest)."""
+def kernel_choices(tracker: Tracker, model: str, dtype: str, gpu_class: str | None, per_op: int,
+                   dest: Path) -> dict[str, list[dict]]:
+    """Per engine op: eager, then the best `per_op` distinct passed candidates of its leaderboard
+    for this model and dtype, timed on a GPU of `gpu_class` (any class when None), as
+    kernels-file choices (a free candidate's source is fetched into dest)."""
     from engine_templates.engine.kernels import ENGINE_OPS
 
     out = {}
     for op in ENGINE_OPS:
-        choices = [{"impl": "eager"}]
-        for entry in [e for e in leaderboard(tracker, op, model, limit=50) if e.gpu_timing][:per_op]:
-            cand = Candidate.from_dict(json.loads(tracker.client.get_run(entry.run_id).data.tags[f"{T}candidate"]))
-            if cand.kind == "template":
-                choices.append({"impl": "template", "template": cand.template, "point": cand.point})
-            else:
-                path = dest / f"{op}-{cand.id}.py"
+        choices, chosen = [{"impl": "eager"}], set()
+        for entry in leaderboard(tracker, op, model, limit=1000, dtype=dtype, gpu_class=gpu_class, gpu_timing=True):
+            if len(chosen) == per_op:
+                break
+            if entry.candidate_id in chosen:  # the same kernel's run for another workload
+                continue
+            chosen.add(entry.candidate_id)
+            cand = json.loads(tracker.client.get_run(entry.run_id).data.tags[f"{T}candidate"])
+            if cand["kind"] == "template":
+                choices.append({"impl": "template", "template": cand["template"], "point": cand["point"]})
+            else:  # the run's tag holds no source (Tracker.open_candidate): its artifact does
                 dest.mkdir(parents=True, exist_ok=True)
-                path.write_text(cand.source)
+                got = Path(tracker.client.download_artifacts(entry.run_id, "candidate/candidate.py", str(dest)))
+                path = got.replace(dest / f"{op}-{entry.candidate_id}.py")
                 choices.append({"impl": "free", "path": str(path)})
         out[op] = choices
     return out

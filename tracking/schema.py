@@ -5,7 +5,7 @@ params; totals (candidates, passed, best score, GPU-seconds, dollars, tokens) as
 Child run (infersmith.kind = candidate): the candidate's point or source hash as params;
 the verdict's metrics (per shape `<shape>/<metric>`, plus score, geomean speed-ups,
 relative error) and the ledger (GPU-seconds, cost) as metrics; status, op, target, model,
-proposer, GPU, failing gate as tags; the candidate's source and its verdict as artifacts.
+proposer, GPU, failing gate, screening flags as tags; the candidate's source and its verdict as artifacts.
 A child is created `pending` when proposed, so parallel proposers see it in flight; a
 pending child whose parent's controller is gone is an orphan, re-queued by the next flow.
 """
@@ -182,7 +182,10 @@ def _finish_tags(verdict: Verdict, charge: Charge) -> dict[str, str]:
             f"{T}held": json.dumps(charge.held),
             f"{T}device": verdict.device.get("name", ""),
             **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
-            f"{T}gpu_timing": str(verdict.gpu_timing).lower()}
+            f"{T}gpu_timing": str(verdict.gpu_timing).lower(),
+            # screening findings (reference_fallback, reduced_precision, side_stream, ...): a
+            # reader of the per-shape speed-ups must see that a reference_fallback's are torch's
+            f"{T}flags": ",".join(sorted(verdict.flags))}
 
 
 def _start_ticks(pid: int) -> str:
