@@ -3,16 +3,20 @@
 For every shape: the fastest passed candidate on that shape (an engine dispatches per shape),
 with torch eager and torch.compile timed in the same process, each as % of the roofline
 measured on that device, and the spread between two timings of the candidate. A ratio to
-torch.compile within that spread is marked `tie`.
+torch.compile within that spread is marked `tie`. Candidates flagged `reference_fallback` (they
+call torch's own op) are left out and counted; the header names the date and versions of the rows
+shown, per shape where they differ.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
+from datetime import datetime, timezone
 
 from mlflow.entities import Run
 
-from tracking.history import search
+from tracking.history import flags, search
 from tracking.schema import T, Tracker
 
 
@@ -46,6 +50,30 @@ def _cell(us: float | None, pct: float | None) -> str:
     return "-" if us is None else f"{us:.1f} ({pct:.0f}%)" if pct is not None else f"{us:.1f}"
 
 
+ENV = (("torch", "torch"), ("triton", "triton"), ("cuda", "CUDA"), ("driver", "driver"))
+
+
+def _by_value(rows: list[tuple[str, str]]) -> str:
+    """`v` when every shape's value is v, else each value with its shapes: `a (s1, s2) and b (s3)`."""
+    shapes: dict[str, list[str]] = defaultdict(list)
+    for shape, value in rows:
+        shapes[value].append(shape)
+    if len(shapes) == 1:
+        return next(iter(shapes))
+    return " and ".join(f"{v} ({', '.join(s)})" for v, s in sorted(shapes.items()))
+
+
+def _provenance(rows: list[tuple[str, Run]]) -> str:
+    """When and with what the rows shown were measured: one value where they agree, per shape where
+    they differ (each row is its own best run, which may come from another flow or host)."""
+    def day(run: Run) -> str:
+        return datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d")
+
+    env = ", ".join(f"{name} {_by_value([(s, r.data.tags.get(f'{T}{key}') or '?') for s, r in rows])}"
+                    for key, name in ENV)
+    return f"measured {_by_value([(s, day(r)) for s, r in rows])}; {env}"
+
+
 def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
     runs = search(tracker, op, status="pass")
     if gpu_only:
@@ -55,19 +83,22 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
         by_target[(r.data.tags.get(f"{T}target", ""), r.data.tags.get(f"{T}device", ""))].append(r)
     out = []
     for (target, device), group in sorted(by_target.items()):
-        t = group[0].data.tags
-        dates = sorted(r.info.start_time for r in group)
-        from datetime import datetime, timezone
-
-        day = datetime.fromtimestamp(dates[-1] / 1000, timezone.utc).strftime("%Y-%m-%d")
+        # A reference_fallback candidate calls torch's own op: its "speed-up" is torch against torch.
+        ranked = [r for r in group if "reference_fallback" not in flags(r)]
+        left_out = len(group) - len(ranked)
+        rows = sorted(_shape_rows(ranked).items(), key=lambda kv: _shape_order(kv[0]))
         out.append(f"### {op} — {target} — {device}\n")
-        out.append(f"{len(group)} passed candidates; {day}; torch {t.get(f'{T}torch')}, "
-                   f"triton {t.get(f'{T}triton')}, CUDA {t.get(f'{T}cuda')}, driver {t.get(f'{T}driver')}.\n")
+        note = (f" ({left_out} flagged `reference_fallback` left out: {'it calls' if left_out == 1 else 'they call'} "
+                f"PyTorch's own {op}, so {'its' if left_out == 1 else 'their'} speed is torch's)") if left_out else ""
+        where = f"; {_provenance([(shape, run) for shape, (run, _) in rows])}." if rows else "; none to show."
+        out.append(f"{len(group)} passed candidates{note}{where}\n")
+        if not rows:
+            continue
         out.append("| shape | best candidate | candidate µs (% roofline) | eager µs (%) | torch.compile µs (%) "
                    "| vs compile | spread |")
         out.append("| --- | --- | --- | --- | --- | --- | --- |")
         warm = False
-        for shape, (run, m) in sorted(_shape_rows(group).items(), key=lambda kv: _shape_order(kv[0])):
+        for shape, (run, m) in rows:
             point = json.loads(run.data.tags.get(f"{T}candidate", "{}")).get("point", {})
             label = ",".join(f"{k}={v}" for k, v in sorted(point.items())) or run.info.run_name
             vs = m.get("speedup_vs_compile")
@@ -87,7 +118,5 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
 
 
 def _shape_order(label: str):
-    import re
-
     nums = [int(x) for x in re.findall(r"\d+", label)]
     return (label.split("_")[0], nums)
