@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from engine_templates.models import PRESETS
 from engine_templates.ops import get_op
 from flows.pipeline import run_stages
 from flows.target import Target, is_tiny
@@ -52,17 +53,24 @@ class Row:
 
 
 def target_for(case: Case, target: Target) -> Target:
-    """The target a case runs on: the given one, with the case's stage time limit. An op that
-    cannot take a dense model (fused_moe) gets the mixture-of-experts preset of its size class,
-    so that one `--model` runs every op's cases."""
+    """The target a case runs on: the given one, with the case's stage time limit. An op whose
+    shapes take the model's experts (fused_moe) gets, on a dense model, the mixture-of-experts
+    preset of its size class, so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
-    w = target.workload
-    try:
-        get_op(case.op).shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
-    except ValueError:
-        update["model"] = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
+    moe = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
+    if not target.dims.is_moe and takes_experts(case.op, moe, target):
+        update["model"] = moe
     return target.model_copy(update=update)
+
+
+def takes_experts(op: str, moe: str, target: Target) -> bool:
+    """Whether the op's shapes carry a model's experts, asked of the op on the mixture-of-experts
+    preset `moe`: such an op has nothing to run on a dense model. An error of the op's is raised,
+    never taken for a reason to change the model."""
+    w = target.workload
+    return any("experts" in s.dims for s in get_op(op).shapes(PRESETS[moe], w.decode_batches, w.prefill_tokens,
+                                                              w.contexts))
 
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,

@@ -1,0 +1,37 @@
+"""The model a gauntlet case runs on: an op that takes a model's experts moves to the
+mixture-of-experts preset of the size class; an op whose shapes fail is an error, not a move."""
+from __future__ import annotations
+
+import pytest
+
+from engine_templates.ops import OPS
+from engine_templates.ops.rmsnorm import RMSNorm, token_shapes
+from flows.gauntlet import target_for
+from flows.target import Target
+from harness.gauntlet import Case
+
+
+class MisreadNorm(RMSNorm):
+    """rmsnorm with a bug in its shapes: the width parsed from a string it formats wrong."""
+
+    name = "misread_norm"
+
+    def shapes(self, model, decode_batches, prefill_tokens, contexts):
+        return token_shapes({"hidden": int(f"{model.hidden}px")}, decode_batches, prefill_tokens)
+
+
+def case(op: str) -> Case:
+    return Case(op=op, vector="honest", expect="pass", gate="", template="rows", point="default")
+
+
+def test_an_op_taking_experts_moves_to_the_moe_preset_of_the_size_class():
+    assert target_for(case("fused_moe"), Target(model="tiny")).model == "tiny-moe"
+    assert target_for(case("fused_moe"), Target(model="qwen3-8b")).model == "qwen3-30b-a3b"
+    assert target_for(case("fused_moe"), Target(model="qwen3-30b-a3b")).model == "qwen3-30b-a3b"
+    assert target_for(case("rmsnorm"), Target(model="tiny")).model == "tiny"
+
+
+def test_an_ops_own_value_error_surfaces_instead_of_moving_the_case(monkeypatch):
+    monkeypatch.setitem(OPS, MisreadNorm.name, MisreadNorm())
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        target_for(case(MisreadNorm.name), Target(model="tiny"))
