@@ -17,12 +17,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from counted_kernels import calls, count_calls, counting_kernels  # noqa: E402
 from tiny_checkpoints import checkpoint  # noqa: E402
 
 from engine_templates.engine.config import EngineConfig, KernelSpec, ModelConfig, ModelDirError  # noqa: E402
 from engine_templates.engine.engine import LLMEngine  # noqa: E402
-from engine_templates.engine.kernels import KernelFileError, parse_kernels_file  # noqa: E402
+from engine_templates.engine.kernels import ENGINE_OPS, KernelFileError, parse_kernels_file  # noqa: E402
 from engine_templates.engine.sequence import SamplingParams  # noqa: E402
+from engine_templates.ops import OPS  # noqa: E402
 
 PROMPTS = ["Hello world!", "The quick brown fox jumps", "Paged attention keeps the cache in blocks; " * 6,
            "A"]
@@ -199,9 +201,13 @@ def test_a_template_kernel_is_wired_in_and_recorded(tmp_path, kind):
     assert eng.kernel_choices["qk_norm_rope"] == {"impl": "template", "template": "heads", "point": point}
     assert eng.kernel_choices["silu_mul"] == {"impl": "reference"}
     assert eng.kernel_choices["decode_attention"] == {"impl": "eager"}
+    # what the model calls is the template's launcher, every layer of every step
+    assert eng.kernels.qk_norm_rope.__module__ == OPS["qk_norm_rope"].templates["heads"].module
+    counted = count_calls(eng.kernels, "qk_norm_rope")
     oracle = HFOracle.from_dir(checkpoint(kind), "fp32")
     for seq in eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True)):
         assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 4), kind
+    assert counted["qk_norm_rope"] >= 2 * 4  # 2 layers; a prefill step, then 3 decode steps at least
 
 
 def test_moe_template_kernel_gives_transformers_greedy_tokens(tmp_path):
@@ -217,6 +223,8 @@ def test_moe_template_kernel_gives_transformers_greedy_tokens(tmp_path):
         assert seq.completion_token_ids == oracle.greedy(prompt, 4), seq
         expected = oracle.logprobs(prompt, seq.completion_token_ids)
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4
+    # float32: no grouped path, so the template ran every step's call (one MoE layer)
+    assert eng.kernels.fused_moe.calls["eager"] == 0 and eng.kernels.fused_moe.calls["template"] >= 4
 
 
 def test_moe_template_hands_prefill_over_its_token_limit_to_the_eager_grouped_path(caplog):
@@ -296,14 +304,44 @@ def test_moe_route_hands_eager_only_calls_it_would_group():
     assert route.choose(x, logits, w_gate_up, w_down, 2, True) is route.eager
 
 
-def test_free_kernel_file_is_loaded(tmp_path):
-    (tmp_path / "mine.py").write_text("import torch\n\ndef silu_mul(gate, up):\n"
-                                      "    return torch.nn.functional.silu(gate) * up\n")
-    (tmp_path / "k.json").write_text(json.dumps({"silu_mul": {"impl": "free", "path": "mine.py"}}))
+def test_the_model_calls_the_free_kernel_named_for_every_op_and_uses_its_output(tmp_path):
+    """A counting kernel (eager's work; counted_kernels.py) named for every op the engine takes a
+    kernel for, on the MoE checkpoint (layer 0 MoE, layer 1 dense: every op in use). Each forward
+    calls each kernel once per place the model has for it, and scaling one kernel's output moves
+    the answers: the model uses what the named kernel returns."""
+    from engine_templates.engine.oracle import HFOracle
+
+    free = tmp_path / "free"
+    (tmp_path / "k.json").write_text(json.dumps({op: {"impl": "free", "path": f"free/{op}.py"}
+                                                 for op in counting_kernels(free, ENGINE_OPS)}))
     specs = parse_kernels_file(tmp_path / "k.json")
-    assert specs["silu_mul"] == KernelSpec(impl="free", path=str(tmp_path / "mine.py"))
-    eng = engine("dense", kernels=specs)
-    assert eng.kernels.silu_mul.__module__ == "infersmith_kernel_silu_mul"
+    assert specs["silu_mul"] == KernelSpec(impl="free", path=str(free / "silu_mul.py"))
+    eng = engine("moe", max_model_len=64, max_num_seqs=2, kernels=specs)
+    assert all(eng.kernel_choices[op] == {"impl": "free", "path": str(free / f"{op}.py")} for op in ENGINE_OPS)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    honest = eng.generate(PROMPTS[:2], params)
+    oracle = HFOracle.from_dir(checkpoint("moe"), "fp32")
+    for seq in honest:
+        assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 3)
+
+    n = {op: calls(free, op) for op in ENGINE_OPS}
+    forwards = n["rmsnorm"]  # layer 0's input norm: the one call with no residual yet
+    assert forwards >= 3, n  # a prefill step, then two decode steps at least
+    assert n["fused_add_rmsnorm"] == 4 * forwards, n  # layer 1's input norm, 2 post-attention, the final
+    assert n["qk_norm_rope"] == n["prefill_attention"] + n["decode_attention"] == 2 * forwards, n
+    assert n["prefill_attention"] > 0 and n["decode_attention"] > 0, n
+    assert n["fused_moe"] == n["silu_mul"] == forwards, n  # one MoE layer, one dense
+
+    for op in ENGINE_OPS:
+        module = getattr(eng.kernels, op).__globals__
+        module["SCALE"] = 1.5
+        try:
+            scaled = eng.generate(PROMPTS[:2], params)
+        finally:
+            module["SCALE"] = 1.0
+        assert any(a.completion_token_ids != b.completion_token_ids
+                   or max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) > 1e-3
+                   for a, b in zip(honest, scaled)), op
 
 
 def test_a_kernels_file_naming_a_retired_op_loads_with_a_warning(tmp_path, caplog):

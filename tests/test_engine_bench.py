@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from counted_kernels import calls, counting_kernels  # noqa: E402
 
 from engine_templates.engine.bench.roofline import weight_bytes  # noqa: E402
 from engine_templates.engine.config import EngineConfig, KernelSpec, ModelConfig  # noqa: E402
@@ -30,8 +31,10 @@ SPLIT_KV = KernelSpec("template", "split_kv", {"num_splits": 2, "block_n": 16, "
 
 def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(tmp_path, capsys):
     out = tmp_path / "bench"
-    kernels = tmp_path / "mine.json"  # the float64 references: cheap on a CPU, and not eager
-    kernels.write_text(json.dumps({"rmsnorm": {"impl": "reference"}, "fused_moe": {"impl": "reference"}}))
+    # not eager: a float64 reference, and rmsnorm by a kernel that counts its calls (eager's work)
+    kernels = tmp_path / "mine.json"
+    counted = tmp_path / "counted"
+    kernels.write_text(json.dumps({**counting_kernels(counted, ["rmsnorm"]), "fused_moe": {"impl": "reference"}}))
     code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "tiny-moe", "--dtype", "fp32",
                  "--device", "cpu", "--kernels", "eager", "--kernels", str(kernels),
                  "--decode-tokens", "6", "--hf-decode-tokens", "3", "--ttft-lengths", "20", "40",
@@ -57,7 +60,9 @@ def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(
             assert check["agree"] and check["engine_vs_hf"]["agree"], (preset, name, check)
             assert check["engine_vs_hf"]["max_logprob_diff"] < 1e-3
             assert check["engine_vs_hf"]["hf_greedy_equal_prefix"] == [4, 4, 4]
-        assert r["systems"]["engine+mine.json"]["kernels"]["rmsnorm"] == {"impl": "reference"}
+        assert r["systems"]["engine+mine.json"]["kernels"]["rmsnorm"] == {"impl": "free",
+                                                                          "path": str(counted / "rmsnorm.py")}
+        assert r["systems"]["engine+mine.json"]["kernels"]["fused_moe"] == {"impl": "reference"}
         # The concurrent phase made every token it was asked for, and counted them.
         assert r["systems"]["engine"]["metrics"]["concurrent_3_tok_s"]["tokens"] == 3 * 4
         section = table.split(f"## {preset}\n")[1].split("\n## ")[0]
@@ -66,6 +71,9 @@ def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(
             assert f"| {row} |" in section
         assert section.count("%)") == 3 * 4  # every system's four figures with their fractions
         assert "| engine | ok |" in section and "| engine+mine.json | ok |" in section
+    # the engine+mine.json runs called the kernel their file names: one rmsnorm per forward
+    # (a figure's steps and the check's, both presets), the plain engine's none
+    assert calls(counted, "rmsnorm") > 2 * (6 + 4), calls(counted, "rmsnorm")
 
 
 def test_a_bad_bench_option_is_one_line(capsys, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from counted_kernels import calls, counting_kernels
 from tiny_checkpoints import checkpoint
 
 from flows.cli import main
@@ -16,20 +17,25 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_generate_prints_the_engine_s_greedy_answer(capsys):
+def test_generate_prints_the_engine_s_greedy_answer(capsys, tmp_path):
     from engine_templates.engine.config import EngineConfig
     from engine_templates.engine.engine import LLMEngine
     from engine_templates.engine.sequence import SamplingParams
 
+    kernels = tmp_path / "k.json"  # silu_mul by a kernel that counts its calls (eager's work)
+    kernels.write_text(json.dumps(counting_kernels(tmp_path, ["silu_mul"])))
     code, out, err = run(capsys, "engine", "generate", "--model-dir", str(checkpoint("dense")),
                          "--prompt", "Hello world!", "--prompt", "The quick", "--max-tokens", "6",
-                         "--ignore-eos", "--dtype", "fp32", "--json")
+                         "--ignore-eos", "--dtype", "fp32", "--json", "--kernels", str(kernels))
     assert code == 0, err
     answers = [json.loads(line) for line in out.splitlines()]
     engine = LLMEngine(EngineConfig(model_dir=checkpoint("dense"), dtype="fp32", device="cpu", max_num_seqs=2))
     expected = engine.generate(["Hello world!", "The quick"], SamplingParams(max_tokens=6, ignore_eos=True))
     assert [a["token_ids"] for a in answers] == [s.completion_token_ids for s in expected]
     assert answers[0]["kernels"]["fused_moe"] == {"impl": "eager"} and len(answers[0]["logprobs"]) == 6
+    assert answers[0]["kernels"]["silu_mul"] == {"impl": "free", "path": str(tmp_path / "silu_mul.py")}
+    # what the answer says it ran, it ran: each of 2 layers, a prefill step and 5 decode steps at least
+    assert calls(tmp_path, "silu_mul") >= 2 * 6
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from counted_kernels import calls, counting_kernels
 from tiny_checkpoints import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,13 +28,21 @@ def server_log(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_log):
+def counted(server_log) -> Path:
+    """Where the server's rmsnorm kernel (counted_kernels.py: eager's work) counts its calls."""
+    return server_log.parent / "counted"
+
+
+@pytest.fixture(scope="module")
+def server(server_log, counted):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    kernels = server_log.parent / "kernels.json"
+    kernels.write_text(json.dumps(counting_kernels(counted, ["rmsnorm"])))
     with open(server_log, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "engine_templates.engine", "serve", "--model-dir",
                                  str(checkpoint("dense")), "--dtype", "fp32", "--port", "0",
                                  "--max-model-len", "256", "--max-num-batched-tokens", "64",
-                                 "--served-model-name", "tiny", "--request-log"],
+                                 "--served-model-name", "tiny", "--request-log", "--kernels", str(kernels)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
     line = proc.stdout.readline()
     if not line.startswith("serving tiny on "):
@@ -69,9 +78,14 @@ def sse_events(text: str) -> list:
     return [json.loads(e[6:]) for e in events[:-1]]
 
 
-def test_health_and_models(server):
+def test_health_and_models(server, counted):
     status, _, text = call(server, "/health")
-    assert status == 200 and json.loads(text)["kernels"]["rmsnorm"] == {"impl": "eager"}
+    kernels = json.loads(text)["kernels"]
+    assert status == 200 and kernels["rmsnorm"] == {"impl": "free", "path": str(counted / "rmsnorm.py")}
+    assert kernels["silu_mul"] == {"impl": "eager"}
+    before = calls(counted, "rmsnorm")
+    complete(server, PROMPTS[0])  # a prefill step and 11 decode steps, each with one rmsnorm
+    assert calls(counted, "rmsnorm") >= before + 12
     status, _, text = call(server, "/v1/models")
     models = json.loads(text)
     assert status == 200 and models["object"] == "list" and models["data"][0]["id"] == "tiny"
