@@ -23,7 +23,8 @@ from tiny_checkpoints import checkpoint  # noqa: E402
 from engine_templates.engine.config import EngineConfig, KernelSpec, ModelConfig, ModelDirError  # noqa: E402
 from engine_templates.engine.engine import LLMEngine  # noqa: E402
 from engine_templates.engine.kernels import ENGINE_OPS, KernelFileError, parse_kernels_file  # noqa: E402
-from engine_templates.engine.sequence import SamplingParams  # noqa: E402
+from engine_templates.engine.sampler import Sampler  # noqa: E402
+from engine_templates.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from engine_templates.ops import OPS  # noqa: E402
 
 PROMPTS = ["Hello world!", "The quick brown fox jumps", "Paged attention keeps the cache in blocks; " * 6,
@@ -167,6 +168,47 @@ def test_sampling_is_seeded_per_request_and_top_k_1_is_greedy():
     greedy = eng.generate([PROMPTS[1]], GREEDY)[0].completion_token_ids
     top1 = SamplingParams(temperature=2.0, top_k=1, max_tokens=10, ignore_eos=True)
     assert eng.generate([PROMPTS[1]], top1)[0].completion_token_ids == greedy
+    cold = SamplingParams(temperature=1e-3, max_tokens=10, ignore_eos=True)
+    assert eng.generate([PROMPTS[1]], cold)[0].completion_token_ids == greedy
+
+
+PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+
+
+def tempered(temperature: float, kept: int = len(PROBS)) -> list[float]:
+    """PROBS under a temperature, renormalized over the first `kept` tokens."""
+    p = PROBS ** (1 / temperature)
+    p[kept:] = 0
+    return (p / p.sum()).tolist()
+
+
+SAMPLING_CASES = [
+    (dict(temperature=1.0), PROBS.tolist()),
+    (dict(temperature=0.5), tempered(0.5)),  # [.53, .30, .13, .03]
+    (dict(temperature=2.0), tempered(2.0)),  # [.33, .28, .23, .16]
+    (dict(temperature=1e-3), [1, 0, 0, 0]),  # a temperature near 0 is greedy
+    # token 3 dropped: the tokens above it hold 0.9 > top_p; token 2 stays (0.7 above it)
+    (dict(temperature=1.0, top_p=0.75), [4 / 9, 3 / 9, 2 / 9, 0]),
+    (dict(temperature=1.0, top_p=0.35), [1, 0, 0, 0]),  # the best token always stays
+    # top_p over the tempered distribution [.33, .28, .23, .16]: 0.61 above token 2, which stays
+    # (over PROBS 0.7 would drop it)
+    (dict(temperature=2.0, top_p=0.65), tempered(2.0, kept=3)),
+    (dict(temperature=1.0, top_k=2), [4 / 7, 3 / 7, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("params, expected", SAMPLING_CASES,
+                         ids=[",".join(f"{k}={v}" for k, v in p.items()) for p, _ in SAMPLING_CASES])
+def test_sampled_frequencies_follow_temperature_top_p_and_top_k(params, expected):
+    """8000 rows of one crafted distribution: each token's share within 0.03 of what the settings
+    give (5 standard deviations at most), and a dropped token never drawn."""
+    rows = 8000
+    logits = PROBS.log().float().repeat(rows, 1)
+    seqs = [Sequence([1], SamplingParams(**params)) for _ in range(rows)]
+    tokens, _ = Sampler("cpu", seed=0)(logits, seqs)
+    share = (torch.bincount(tokens, minlength=len(PROBS)).double() / rows).tolist()
+    assert max(abs(a - b) for a, b in zip(share, expected)) < 0.03, (share, expected)
+    assert [s == 0 for s in share] == [e == 0 for e in expected], share
 
 
 def test_stop_string_eos_and_max_tokens():
