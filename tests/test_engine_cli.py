@@ -3,6 +3,7 @@ usage errors (exit 2) for a missing or malformed model directory or kernels file
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from counted_kernels import calls, counting_kernels
@@ -57,17 +58,39 @@ def test_malformed_model_dir_and_kernels_file_are_one_line(capsys, tmp_path):
 
 
 def test_profile_bad_input_is_one_line(capsys):
-    import torch
-
     for argv, says in ((["--presets", "tiny,nonesuch"], "unknown presets ['nonesuch']"),
                        (["--batches", "1,0"], "--batches must be comma-separated positive integers"),
                        (["--batches", "x"], "--batches must be comma-separated positive integers"),
                        (["--steps", "0"], "--steps must be at least 1")):
         code, _, err = run(capsys, "engine", "profile", *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
-    code, _, err = run(capsys, "engine", "profile", "--presets", "tiny")
+
+
+def test_profile_runs_on_a_gpu_and_needs_one():
+    """In a process of its own: profile_preset prints to the sys.stdout of its import by default,
+    not the one capsys puts in place for each test."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    done = subprocess.run([sys.executable, "-m", "engine_templates.engine", "profile", "--presets", "tiny",
+                           "--context", "16", "--steps", "3", "--top", "4"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    code, out, err = done.returncode, done.stdout, done.stderr
     if not torch.cuda.is_available():
         assert code == 2 and "needs a CUDA GPU" in err
+        return
+    assert code == 0, err
+    assert re.search(r"^## tiny: .*, kernels eager, context 16, ", out, re.M), out
+    step = re.search(r"### batch 1: step (\d+) us with graphs .*device busy (\d+) us .*eager step (\d+) us", out)
+    assert step and all(int(x) > 0 for x in step.groups()), out
+    rows = re.findall(r"^\| `(.+)` \| (\d+) \| ([\d.]+) \| ([\d.]+)% \|$", out, re.M)
+    # the eager step's 4 costliest kernels, costliest first, then the rest in one line
+    assert len(rows) == 4 and int(rows[0][1]) >= 1 and float(rows[0][2]) > 0, out
+    assert [float(us) for _, _, us, _ in rows] == sorted((float(us) for _, _, us, _ in rows), reverse=True)
+    assert re.search(r"^\| \d+ others \| ", out, re.M), out
 
 
 def test_no_async_decode_reaches_the_engine_config_the_bench_and_the_profile():
