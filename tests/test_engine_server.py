@@ -191,8 +191,9 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
 
 
 def test_body_that_is_not_json_is_a_400(server):
-    got, _, text = call(server, "/v1/completions", raw=b"{not json")
-    assert got == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
-    got, _, text = call(server, "/v1/completions", raw=b"{not json")
+    for body in (b"{not json", b"[1, 2"):  # the second bad body too: the first broke nothing
+        got, kind, text = call(server, "/v1/completions", raw=body)
+        assert got == 400 and kind.startswith("application/json"), (body, got, text)
+        assert "not valid JSON" in json.loads(text)["error"]["message"], body
     status, _, _ = call(server, "/health")
     assert status == 200  # and the server is still fine
