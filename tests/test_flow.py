@@ -32,7 +32,8 @@ def test_optimize_leaves_a_parent_and_one_child_per_candidate(prefect_server, tr
     assert len({c.data.tags[f"{T}candidate_id"] for c in children}) == 3
     for run in children:
         tags, metrics = run.data.tags, run.data.metrics
-        assert tags[f"{T}status"] in ("pass", "fail", "crash")
+        # every point of the shipped template computes silu_mul correctly: each candidate passes
+        assert tags[f"{T}status"] == "pass", (run.data.params, tags.get(f"{T}failing_gate"))
         assert tags[f"{T}op"] == "silu_mul" and tags[f"{T}model"] == "tiny" and tags[f"{T}proposer"] == "random"
         assert tags[f"{T}gpu"].startswith("local:") and metrics["gpu_seconds"] > 0
         assert {"point.block", "point.num_warps", "point.num_stages"} <= set(run.data.params)
@@ -40,10 +41,9 @@ def test_optimize_leaves_a_parent_and_one_child_per_candidate(prefect_server, tr
         assert "verdict.json" in files
         local = tracker.client.download_artifacts(run.info.run_id, "verdict.json", str(tmp_path))
         verdict = json.loads(Path(local).read_text())
-        assert verdict["status"] == tags[f"{T}status"] and verdict["op"] == "silu_mul"
-        if tags[f"{T}status"] == "pass":
-            assert metrics["score"] > 0 and "decode_b1/latency_us" in metrics
-            assert "prefill_40/speedup_vs_eager" in metrics and "max_rel_error" in metrics
+        assert verdict["status"] == "pass" and verdict["op"] == "silu_mul"
+        assert metrics["score"] > 0 and metrics["decode_b1/latency_us"] > 0
+        assert metrics["prefill_40/speedup_vs_eager"] > 0 and "max_rel_error" in metrics
     board = Artifact.get("leaderboard-silu-mul")
     assert board is not None and board.type == "table"
 
