@@ -1,4 +1,5 @@
-"""The device's measured ceilings: copy bandwidth and matmul rate, measured once and cached.
+"""The device's measured ceilings: copy bandwidth and matmul rate, measured once and cached,
+and checked against a quick measurement whenever they are used.
 
 A roofline against datasheet numbers flatters nobody in particular; against what this card
 actually does, it says how much is left. The speed-of-light gate uses the same numbers.
@@ -16,22 +17,42 @@ import torch
 
 CACHE_DIR = Path(os.environ.get("INFERSMITH_CACHE", Path.home() / ".cache" / "infersmith"))
 
+# A cached figure is used only while a quick measurement taken now agrees with it within this
+# share. The cache is a file the candidate's own process could write (the sandbox does not
+# isolate the file system): a forged figure would move every later roofline on the host and
+# loosen or tighten the speed-of-light gate. On the H200 two processes' copy figures differ by
+# about 1.3% (docs/BENCHMARKS.md, tenth session).
+AGREE = 0.15
+KEYS = ("copy_bytes_per_s", "matmul_flops_per_s")
+_MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-def _cache_path(info: dict) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{info['name']}-torch{info['torch']}").strip("-")
+
+def _cache_path(info: dict, dtype: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{info['name']}-torch{info['torch']}-{dtype}").strip("-")
     return CACHE_DIR / f"ceilings-{slug}.json"
 
 
-def ceilings(device: str, info: dict) -> dict:
-    """Copy bytes/s (read + written) and dense matmul FLOP/s in the op dtype's matmul (bf16 on GPU)."""
-    path = _cache_path(info)
-    if path.exists():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            pass  # a torn cache file is re-measured below
-    result = measure(device)
+def ceilings(device: str, info: dict, dtype: str = "bf16", agree: float = AGREE) -> dict:
+    """Copy bytes/s (read + written) and dense matmul FLOP/s in `dtype` (the target's), measured
+    once per device, torch version and dtype, and cached. On a GPU every call checks the cached
+    figures against a quick measurement (a few repetitions of the same copy and matmul): figures
+    that are not positive numbers, or that differ from it by more than `agree`, are measured
+    again in full and replace the cache, and the result says why under `replaced`. A CPU's
+    figures gate nothing (speed-of-light needs GPU timings) and are not checked."""
+    path = _cache_path(info, dtype)
+    cached, why = _read(path), ""
+    if cached is not None:
+        if device != "cuda":
+            return cached
+        why = disagreement(cached, measure(device, dtype, quick=True), agree)
+        if not why:
+            return cached
+    elif path.exists():
+        why = "the cached file did not hold two positive figures"
+    result = measure(device, dtype)
     result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    if why:
+        result["replaced"] = why
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(result))
@@ -39,9 +60,33 @@ def ceilings(device: str, info: dict) -> dict:
     return result
 
 
-def measure(device: str) -> dict:
-    """Measured now, not cached: for a caller that reports it beside figures of the same run."""
-    return _measure_cuda() if device == "cuda" else _measure_cpu()
+def disagreement(cached: dict, quick: dict, agree: float = AGREE) -> str:
+    """'' when every cached figure is within `agree` of the quick one; else what differs."""
+    off = [k for k in KEYS if abs(cached[k] / quick[k] - 1) > agree]
+    if not off:
+        return ""
+    return ("the cached " + ", ".join(f"{k} {cached[k]:.4g}" for k in off) + " differed from a quick measurement ("
+            + ", ".join(f"{quick[k]:.4g}" for k in off) + f") by more than {agree:.0%}")
+
+
+def _read(path: Path) -> dict | None:
+    """The cached figures, or None when there are none or they are not positive finite numbers."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # absent or torn: measured again
+    ok = isinstance(cached, dict) and all(
+        isinstance(cached.get(k), (int, float)) and not isinstance(cached.get(k), bool)
+        and 0 < cached[k] < float("inf") for k in KEYS)
+    return cached if ok else None
+
+
+def measure(device: str, dtype: str = "bf16", quick: bool = False) -> dict:
+    """Measured now, not cached: for a caller that reports it beside figures of the same run.
+    `quick`: a few repetitions only, to check a cached figure."""
+    if device == "cuda":
+        return _measure_cuda(_MATMUL_DTYPES[dtype], copy_reps=3 if quick else 20, mm_reps=3 if quick else 10)
+    return _measure_cpu(reps=3 if quick else 5)
 
 
 def _events_median_s(fn, reps: int) -> float:
@@ -58,22 +103,25 @@ def _events_median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _measure_cuda() -> dict:
+def _measure_cuda(mm_dtype: torch.dtype, copy_reps: int, mm_reps: int) -> dict:
     n_bytes = 2 << 30  # 2 GiB each way: far past L2
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    copy_s = _events_median_s(lambda: dst.copy_(src), reps=20)
+    copy_s = _events_median_s(lambda: dst.copy_(src), reps=copy_reps)
     del src, dst
     n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    mm_s = _events_median_s(lambda: a @ b, reps=10)
+    a = torch.randn(n, n, dtype=mm_dtype, device="cuda")
+    b = torch.randn(n, n, dtype=mm_dtype, device="cuda")
+    mm_s = _events_median_s(lambda: a @ b, reps=mm_reps)
+    name = str(mm_dtype).removeprefix("torch.")
     return {"copy_bytes_per_s": 2 * n_bytes / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s,
-            "method": "torch copy_ of 2 GiB bf16 (bytes read+written); 8192^3 bf16 matmul; event medians"}
+            "method": f"torch copy_ of 2 GiB bf16 (bytes read+written); 8192^3 {name} matmul; event medians"}
 
 
-def _measure_cpu() -> dict:
-    def median_s(fn, reps):
+def _measure_cpu(reps: int) -> dict:
+    """In float32 whatever the target: CPU figures say nothing about a GPU (the interpreter's
+    timings are marked so, and speed-of-light does not apply), and bf16 matmuls are slow here."""
+    def median_s(fn):
         fn()
         times = []
         for _ in range(reps):
@@ -84,9 +132,9 @@ def _measure_cpu() -> dict:
 
     src = torch.rand(32 << 20)  # 128 MiB of float32
     dst = torch.empty_like(src)
-    copy_s = median_s(lambda: dst.copy_(src), reps=5)
+    copy_s = median_s(lambda: dst.copy_(src))
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
-    mm_s = median_s(lambda: a @ b, reps=5)
+    mm_s = median_s(lambda: a @ b)
     return {"copy_bytes_per_s": 2 * src.numel() * 4 / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s,
             "method": "cpu: torch copy_ of 128 MiB float32; 1024^3 float32 matmul; wall-clock medians"}

@@ -2,10 +2,11 @@
 harness's files on disk.
 
 `Identities` is taken inside the sandbox before the candidate is imported and compared
-after each batch of calls: a candidate that swaps `time.perf_counter`, `torch.cuda.Event`
-or a harness function is rejected even if the swap was hidden from static screening.
-(The harness's own timers are bound at import, so such a swap cannot steer a measurement
-before it is caught.) `tree_digest` is taken by the supervisor before the sandbox starts
+after every shape's timings in the bench stage and at the end of every stage: a candidate that
+swaps `time.perf_counter`, `torch.cuda.Event` or a harness function is rejected even if the
+swap was hidden from static screening, and even if it undoes the swap when it is probed rather
+than timed. (harness/timing.py binds its timers and reductions at import, so such a swap cannot
+steer a measurement before it is caught.) `tree_digest` is taken by the supervisor before the sandbox starts
 and after it ends.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ WATCHED = [
     ("torch", "equal"), ("torch", "isfinite"), ("torch", "Tensor.clone"), ("torch", "Tensor.copy_"),
     ("torch", "Tensor.data_ptr"), ("torch", "Tensor.untyped_storage"), ("torch", "Tensor.is_contiguous"),
     ("torch", "use_deterministic_algorithms"), ("torch", "utils.deterministic"), ("threading", "enumerate"),
-    ("statistics", "median"), ("triton.testing", "do_bench"), ("os", "write"),
+    ("statistics", "median"), ("triton.testing", "do_bench"), ("os", "write"), ("os", "urandom"),
+    ("random", "_urandom"),
 ]
 HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.stages", "harness.channel", "harness.device",
                    "harness.integrity", "harness.load", "harness.sandbox", "harness.verdict")
@@ -63,6 +65,10 @@ class Identities:
             if now is not obj:
                 out.append(f"{module}.{path}")
         return out
+
+
+def swapped_detail(names: list[str]) -> str:
+    return f"the candidate replaced {', '.join(names[:6])}: timers and checks must stay the harness's"
 
 
 def tree_digest(roots: list[Path]) -> dict[str, str]:

@@ -56,13 +56,13 @@ def main() -> int:
         send("done")
         return 0
     if job.stage == "bench":
-        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin))
+        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin),
+                           patched=identities.changed)
     else:
         {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
     patched = identities.changed()
     if patched:
-        send("gate", name="timer_integrity", passed=False,
-             detail=f"the candidate replaced {', '.join(patched[:6])}: timers and checks must stay the harness's")
+        send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
     send("done")
     return 0
 

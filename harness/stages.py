@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from engine_templates.ops.base import DTYPES, generator
-from harness import timing
+from harness import integrity, timing
 from harness.checks import run_call
 from harness.job import Job, Shape
 
@@ -91,30 +92,52 @@ def compile_baseline(op, n_shapes: int, backend: str = "inductor", **compile_kw)
 
 
 def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,
-                settle: Callable[[], bool] = lambda: True) -> None:
-    """Per shape: eager, torch.compile and the candidate twice, timed on the same rotated input
-    sets; then the probes. `settle` returns once the supervisor has judged every output sent so
-    far and its own GPU work has finished (False: the answer never came right), so that nothing
-    of the supervisor's runs on the GPU while this process times."""
+                settle: Callable[[], bool] = lambda: True,
+                patched: Callable[[], list[str]] = lambda: []) -> None:
+    """Every shape's baselines first (eager and torch.compile), then per shape the candidate
+    twice, timed on the same rotated input sets (drawn again from the same seeds), and the
+    probes. Baselines first, so that nothing the candidate does to the process reaches them: a
+    capture that fails leaves later graph timings of the process to events, and were that the
+    baselines' too, a candidate could choose how torch.compile is timed. `settle` returns once the
+    supervisor has judged every output sent so far and its own GPU work has finished (False: the
+    answer never came right), so that nothing of the supervisor's runs on the GPU while this
+    process times. `patched` names the timers and harness functions the candidate has replaced
+    (integrity.Identities.changed): asked after every shape's timings, so that a swap undone
+    before the stage ends is caught all the same."""
     dtype, shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
     compiled = compile_baseline(op, len(plan["shapes"])) if dev == "cuda" and job.rules.compile_baseline else None
-    for k, item in enumerate(plan["shapes"]):
+
+    def prepare(item) -> tuple[Shape, list, timing.Method, str] | None:
         shape = shapes[item["shape"]]
         arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
         method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
-        asked = "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
         if not settle():
             send("gate", name="protocol", passed=False,
                  detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
                         "in the candidate's process read or closed its stdin")
+            return None
+        return shape, arg_sets, method, "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
+
+    baselines = []
+    for item in plan["shapes"]:
+        if (ready := prepare(item)) is None:
             return
-        try:  # the baselines failing is the platform's fault, not the candidate's
-            eager = timing.median_us(op.eager, arg_sets, method)
-            comp = timing.median_us(compiled, arg_sets, method) if compiled else None
+        shape, arg_sets, method, asked = ready
+        try:  # the baselines failing is the platform's fault, not the candidate's; what their graphs
+            # computed is not judged, and is not kept
+            eager = replace(timing.median_us(op.eager, arg_sets, method), outputs={})
+            comp = replace(timing.median_us(compiled, arg_sets, method), outputs={}) if compiled else None
+            baselines.append((eager, comp))
         except Exception as e:
             send("gate", name="baseline", passed=False, crash=True,
                  detail=f"{shape.label}: timing the baselines ({asked}) failed: {describe_exception(e)}")
             return
+        del arg_sets
+    for k, item in enumerate(plan["shapes"]):
+        if (ready := prepare(item)) is None:
+            return
+        shape, arg_sets, method, asked = ready
+        eager, comp = baselines[k]
         try:
             cand = timing.median_us(fn, arg_sets, method)
             cand_2 = timing.median_us(fn, arg_sets, method)
@@ -125,6 +148,17 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,
         except Exception as e:
             send("gate", name=failure_gate(e, "runtime"), passed=False,
                  detail=f"{shape.label} while timing ({asked}): {describe_exception(e)}")
+            return
+        swapped = patched()
+        if swapped:
+            send("gate", name="timer_integrity", passed=False, detail=f"{shape.label}: {integrity.swapped_detail(swapped)}")
+            return
+        reused = cand.reused or cand_2.reused
+        if reused:
+            send("gate", name="timed_outputs", passed=False,
+                 detail=f"{shape.label}: while captured for timing, {reused} returned the same storage — each call "
+                        "must return its own output: a result the next call overwrites is lost to its caller, and "
+                        "what the earlier call computed cannot be checked")
             return
         cand_us, cand_us_2 = cand.us, cand_2.us
         if rounds:

@@ -98,6 +98,21 @@ def test_speed_of_light_rejects_a_time_under_the_roofline():
     v.timings.append(ShapeTiming("s", {}, 1.0, 1.0, 10.0, None, roofline_us=5.0, bytes=1, flops=1))
     speed_of_light(job, v)
     assert (v.status, v.failing_gate.name) == ("fail", "speed_of_light") and "faster than" in v.failing_gate.detail
+    # either timing under the roofline fails, though their mean is over it
+    v = Verdict(op="rmsnorm", candidate_id="x", device={"gpu_timing": True})
+    v.timings.append(ShapeTiming("s", {}, 9.0, 4.0, 10.0, None, roofline_us=5.0, bytes=1, flops=1))
+    speed_of_light(job, v)
+    assert (v.status, v.failing_gate.name) == ("fail", "speed_of_light") and "4.00 us" in v.failing_gate.detail
+
+
+def test_the_candidate_figure_is_the_mean_of_its_two_timings():
+    """The baselines are timed once each: the candidate's figure beside theirs is the mean of its
+    two timings, not the faster one, which would favour it by about the spread."""
+    v = Verdict(op="rmsnorm", candidate_id="x")
+    v.timings.append(ShapeTiming("s", {}, 1.0, 1.5, 2.5, 3.75, roofline_us=0.5, bytes=1, flops=1))
+    m = v.metrics()
+    assert m["s/latency_us"] == 1.25 and m["s/speedup_vs_eager"] == 2.0 and m["s/speedup_vs_compile"] == 3.0
+    assert m["s/pct_roofline"] == 40.0 and m["s/spread"] == 0.5 and v.score() == 2.0
 
 
 def test_reference_fallback_scores_no_speed_up():
@@ -154,6 +169,63 @@ def test_timing_method_says_which_contender_was_not_captured():
     assert method_label(events, events, graph, None) == ("events (not capturable: RuntimeError: sync while "
                                                          "capturing); eager: graph")
     assert method_label(graph, events, graph, None).startswith("graph; repeat: events (not capturable")
+
+
+def test_a_timed_graph_is_checked_on_sets_drawn_after_it_ran():
+    """Which captured calls the judge checks: the first, the last and GRAPH_CHECKS others drawn
+    at random, so that a candidate skipping work on a share of the sets cannot tell which."""
+    from harness.timing import GRAPH_CHECKS, checked_sets
+
+    assert checked_sets(1) == [0] and checked_sets(2) == [0, 1] and checked_sets(5) == [0, 1, 2, 3, 4]
+    draws = [checked_sets(2048) for _ in range(20)]
+    assert all(d[0] == 0 and d[-1] == 2047 and len(d) == GRAPH_CHECKS + 2 for d in draws)
+    middle = {j for d in draws for j in d[1:-1]}
+    assert len(middle) > 5 * GRAPH_CHECKS  # not the same few sets each time
+    assert checked_sets(2048, draws=0) == [0, 2047]
+
+
+def test_calls_that_return_the_same_storage_are_named():
+    """Captured calls that return the same buffer leave only the last one's values: named, so the
+    bench stage fails them. Two outputs of one call may share storage (views of one buffer)."""
+    from harness.timing import reused_storage
+
+    a, b, shared = torch.zeros(4), torch.zeros(4), torch.zeros(8)
+    assert reused_storage([(a,), (b,)]) == ""
+    assert reused_storage([(shared[:4], shared[4:]), (b,)]) == ""
+    assert reused_storage([(a,), (b,), (a.view(2, 2),)]) == "calls 0 and 2 of 3"
+    assert reused_storage([(a, b), (torch.zeros(1), b)]) == "calls 0 and 1 of 2"
+
+
+def test_cached_ceilings_that_are_not_figures_are_measured_again(monkeypatch, tmp_path):
+    """The ceilings cache is a file the candidate's process could write: what is not two positive
+    figures is measured again and replaced, and the result says why."""
+    import json
+
+    from harness import ceilings
+
+    monkeypatch.setattr(ceilings, "CACHE_DIR", tmp_path)
+    info = {"name": "test device", "torch": torch.__version__}
+    first = ceilings.ceilings("cpu", info)
+    assert first["copy_bytes_per_s"] > 0 and "replaced" not in first
+    path = ceilings._cache_path(info, "bf16")
+    assert json.loads(path.read_text()) == first and ceilings.ceilings("cpu", info) == first  # cached
+    assert ceilings._cache_path(info, "fp32") != path  # a matmul rate per dtype
+    for forged in ({"copy_bytes_per_s": 1e30, "matmul_flops_per_s": -1}, {"copy_bytes_per_s": "1e30"}, [1, 2]):
+        path.write_text(json.dumps(forged))
+        again = ceilings.ceilings("cpu", info)
+        assert again["replaced"] == "the cached file did not hold two positive figures", again
+        assert json.loads(path.read_text()) == again
+
+
+def test_cached_ceilings_must_agree_with_a_quick_measurement():
+    """On a GPU the cached figures are checked against a quick measurement every time."""
+    from harness.ceilings import disagreement
+
+    quick = {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 7.5e14}
+    assert disagreement({"copy_bytes_per_s": 4.5e12, "matmul_flops_per_s": 6.8e14}, quick) == ""
+    forged = disagreement({"copy_bytes_per_s": 4.2e20, "matmul_flops_per_s": 7.4e14}, quick)
+    assert forged == "the cached copy_bytes_per_s 4.2e+20 differed from a quick measurement (4.2e+12) by more than 15%"
+    assert "matmul_flops_per_s" in disagreement({"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 1e14}, quick)
 
 
 def test_compiled_baseline_has_room_for_every_shape(monkeypatch):

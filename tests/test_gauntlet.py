@@ -136,7 +136,8 @@ def test_gpu_only_cases_are_listed_as_not_run_on_a_cpu_slot(capsys):
 
     if local_pool().slots()[0].gpu is not None:
         pytest.skip("this machine's slot has a GPU: the case runs there")
-    assert [c.name for c in CASES if c.gpu_only] == ["rmsnorm/side_stream_unjoined", "rmsnorm/skips_work_captured"]
+    assert [c.name for c in CASES if c.gpu_only] == ["rmsnorm/side_stream_unjoined", "rmsnorm/skips_work_captured",
+                                                   "rmsnorm/skips_sets_captured"]
     assert main(["gauntlet", "--case", "skips_work_captured"]) == 2
     assert "every chosen case needs a GPU" in capsys.readouterr().err
     assert main(["gauntlet", "--op", "rmsnorm", "--case", "skips_work_captured", "--case", "stale_buffer"]) == 0

@@ -193,7 +193,7 @@ def run(opts: BenchOptions) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     info = device_info(opts.device)
     _log(f"device: {info['name']}; measuring copy bandwidth and matmul rate")
-    ceilings = measure(torch.device(opts.device).type)
+    ceilings = measure(torch.device(opts.device).type, opts.dtype)
     _free(opts.device)
     _log(f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s")
