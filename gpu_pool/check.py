@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpu_pool.executors import run_stage
-from gpu_pool.health import HostFault
+from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Pool, Slot
 from gpu_pool.ssh import connect, run_command
 from harness.job import Job
@@ -133,26 +133,31 @@ def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> l
     """What the host lacks to serve model_dir (the directory there, aiperf, torch, transformers)
     and, when the baseline names an engine (vllm, sglang), to run it; asked of the worker's own
     check, with the python that would run the servers, so that this and the session agree. This
-    machine is asked the same way (its own python, the worker's PYTHONPATH). [] when a pool host
-    is unreachable, which the dispatch's retries deal with."""
+    machine is asked the same way (its own python, the worker's PYTHONPATH). What the host answers
+    is a problem (a workdir it cannot create, a bundle it cannot unpack, a check past its limit);
+    a host that cannot be reached is a warning on stderr and [], since the dispatch's retries move
+    the work to another host."""
     from gpu_pool.ssh import ensure_bundle, worker_env, workdir_of
 
     engine = ["--baseline", baseline] if baseline in ENGINES else []
     if host.is_local:
         return _local_serve_problems(model_dir, engine)
+    client = None
     try:
         client = connect(host)
-    except HostFault:
-        return []
-    try:
         bundle_dir, _ = ensure_bundle(client, host, workdir_of(client, host))
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(Pool(hosts=[host]).slots()[0], bundle_dir).items())
         rc, out, err = run_command(client, host, f"env {env} {host.python} -m harness.serve check "
                                                  f"{shlex.join([model_dir, *engine])}", 120)
-    except HostFault:
+    except HostUnreachable as e:
+        print(f"infersmith: warning: host {host.name} could not be checked before the run ({e.reason}); "
+              "the run goes on, and work sent there is retried on another host", file=sys.stderr)
         return []
+    except HostFault as e:
+        return [e.reason]
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return _check_lines(host.python, rc, out, err)
 
 

@@ -38,6 +38,12 @@ class HostFault(Exception):
         self.host, self.reason = host, reason
 
 
+class HostUnreachable(HostFault):
+    """The connection could not be made, or dropped: nothing else is known of the host. Every
+    other HostFault is something the host answered (a workdir it cannot create, a bundle it cannot
+    unpack, a command past its time limit)."""
+
+
 def gpu_fault_in(verdict: Verdict) -> str | None:
     """The GPU error a crashed verdict reports, if its crash was the device's."""
     if verdict.status != CRASH:

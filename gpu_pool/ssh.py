@@ -17,7 +17,7 @@ from pathlib import Path
 import paramiko
 
 from gpu_pool.bundle import current_bundle
-from gpu_pool.health import HostFault
+from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.local import StageRun, verdict_from
 from gpu_pool.pool import Host, Slot
 from harness.job import Job
@@ -48,34 +48,49 @@ def connect(host: Host) -> paramiko.SSHClient:
                        auth_timeout=host.connect_timeout_s)
     except paramiko.BadHostKeyException:
         client.close()
-        raise HostFault(host, f"host key does not match {known}: refused (possible impersonation)") from None
+        raise HostUnreachable(host, f"host key does not match {known}: refused (possible impersonation)") from None
     except paramiko.AuthenticationException:
         client.close()
-        raise HostFault(host, "authentication failed") from None
+        raise HostUnreachable(host, "authentication failed") from None
     except paramiko.SSHException as e:
         client.close()
         if "not found in known_hosts" in str(e):
-            raise HostFault(host, f"host key unknown to {known}: refused "
+            raise HostUnreachable(host, f"host key unknown to {known}: refused "
                                   "(add it with ssh-keyscan, or set trust_unknown_host_key)") from None
-        raise HostFault(host, f"SSH error: {e}") from None
+        raise HostUnreachable(host, f"SSH error: {e}") from None
     except (OSError, EOFError) as e:  # refused, unreachable, timed out, reset
         client.close()
-        raise HostFault(host, f"cannot connect: {getattr(e, 'strerror', None) or e}") from None
+        raise HostUnreachable(host, f"cannot connect: {getattr(e, 'strerror', None) or e}") from None
     client.get_transport().set_keepalive(5)
     return client
 
 
 def run_command(client: paramiko.SSHClient, host: Host, command: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
-    """Exit status, stdout and stderr of a short command; a HostFault if the connection drops."""
+    """Exit status, stdout and stderr of a short command; HostUnreachable if the connection drops,
+    a HostFault if the command runs past timeout_s (the channel is closed; it may run on there)."""
     try:
         _, out, err = client.exec_command(command, timeout=timeout_s)
+        if not out.channel.status_event.wait(timeout_s):
+            out.channel.close()
+            raise HostFault(host, f"`{_short(command)}` did not finish within {timeout_s:g} s")
         rc = out.channel.recv_exit_status()
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    except (paramiko.SSHException, OSError, EOFError, socket.timeout) as e:
-        raise HostFault(host, f"connection lost running a command: {e}") from None
+    except socket.timeout:
+        raise HostFault(host, f"`{_short(command)}` sent no output within {timeout_s:g} s") from None
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        raise HostUnreachable(host, f"connection lost running a command: {e}") from None
     if rc == -1:
-        raise HostFault(host, "connection lost running a command")
+        raise HostUnreachable(host, "connection lost running a command")
     return rc, stdout, stderr
+
+
+def _short(command: str) -> str:
+    """The command without its environment assignments, cut to a readable length."""
+    words = command.split()
+    while words and (words[0] == "env" or "=" in words[0]):
+        words.pop(0)
+    text = " ".join(words)
+    return text if len(text) <= 80 else text[:79] + "…"
 
 
 def workdir_of(client: paramiko.SSHClient, host: Host) -> str:
@@ -96,9 +111,16 @@ def ensure_bundle(client: paramiko.SSHClient, host: Host, workdir: str) -> tuple
         return target, False
     nonce = uuid.uuid4().hex[:8]
     tmp_tar, tmp_dir = f"{workdir}/bundles/.{bundle.digest}-{nonce}.tgz", f"{workdir}/bundles/.{bundle.digest}-{nonce}"
-    run_command(client, host, f"mkdir -p {shlex.quote(tmp_dir)}")
-    with client.open_sftp() as sftp:
-        sftp.putfo(io.BytesIO(bundle.tarball), tmp_tar)
+    rc, _, err = run_command(client, host, f"mkdir -p {shlex.quote(tmp_dir)}")
+    if rc != 0:
+        raise HostFault(host, f"cannot create {tmp_dir} for the worker bundle: {err.strip()}")
+    try:
+        with client.open_sftp() as sftp:
+            sftp.putfo(io.BytesIO(bundle.tarball), tmp_tar)
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        if not client.get_transport().is_active():
+            raise HostUnreachable(host, f"connection lost sending the worker bundle: {e}") from None
+        raise HostFault(host, f"cannot write the worker bundle to {tmp_tar}: {e}") from None
     # Unpacked beside, then renamed into place: a concurrent sender or a reader never sees half a bundle.
     q = shlex.quote
     rc, _, err = run_command(client, host, f"tar xzf {q(tmp_tar)} -C {q(tmp_dir)} && rm -f {q(tmp_tar)} && "
@@ -153,7 +175,7 @@ class SSHExecutor:
             chan = transport.open_session()
             chan.exec_command(command)
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostFault(host, f"connection lost starting the harness: {e}") from None
+            raise HostUnreachable(host, f"connection lost starting the harness: {e}") from None
         finished = False
         try:
             while not chan.exit_status_ready():
@@ -164,7 +186,7 @@ class SSHExecutor:
                 chan.status_event.wait(POLL_S)
             rc = chan.recv_exit_status() if chan.exit_status_ready() else -1
             if rc == -1:  # the channel closed with no exit status: the connection, not the process
-                raise HostFault(host, "connection dropped while the harness ran")
+                raise HostUnreachable(host, "connection dropped while the harness ran")
             finished = True
             return -(rc - 128) if rc > 128 else rc  # the shell's 128+N: killed by signal N
         finally:  # a timeout, a cancelled flow, Ctrl-C: never leave the remote group running
@@ -186,6 +208,6 @@ class SSHExecutor:
                 verdict = read("verdict.json") if rc is not None else None
                 log = (read("stderr.log") or "")[-4000:]
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostFault(host, f"connection lost fetching the verdict: {e}") from None
+            raise HostUnreachable(host, f"connection lost fetching the verdict: {e}") from None
         run_command(client, host, f"rm -rf {shlex.quote(scratch)}")
         return verdict, log

@@ -22,7 +22,7 @@ from typing import Callable
 
 import paramiko
 
-from gpu_pool.health import HostFault
+from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Slot
 from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
 from harness.serve.aiperf import AIPerfError, PatternRun
@@ -132,7 +132,7 @@ class SSHServe:
                 with client.open_sftp() as sftp:
                     sftp.putfo(io.BytesIO(json.dumps(spec).encode()), f"{run_dir}/job.json")
             except (paramiko.SSHException, OSError, EOFError) as e:
-                raise HostFault(host, f"connection lost sending the serve job: {e}") from None
+                raise HostUnreachable(host, f"connection lost sending the serve job: {e}") from None
             env = " ".join(f"{k}={q(v)}" for k, v in worker_env(self.slot, bundle_dir).items())
             killer = f"env {env} {host.python} -m harness.serve kill {marker}"
             limit = self._limit(job)
@@ -184,7 +184,7 @@ class SSHServe:
             chan.exec_command(command)
             sftp = client.open_sftp()
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostFault(host, f"connection lost starting the serve session: {e}") from None
+            raise HostUnreachable(host, f"connection lost starting the serve session: {e}") from None
         try:
             while not chan.exit_status_ready():
                 if not transport.is_active():
@@ -195,11 +195,11 @@ class SSHServe:
                     decide = None
                 chan.status_event.wait(POLL_S)
         except (paramiko.SSHException, OSError, EOFError) as e:
-            raise HostFault(host, f"connection lost during the serve session: {e}") from None
+            raise HostUnreachable(host, f"connection lost during the serve session: {e}") from None
         finally:
             sftp.close()
         if not chan.exit_status_ready() or chan.recv_exit_status() == -1:
-            raise HostFault(host, "connection dropped while the serve session ran")
+            raise HostUnreachable(host, "connection dropped while the serve session ran")
         return True
 
 
@@ -249,7 +249,7 @@ def _collect(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path,
             fetch(f"{run_dir}/out", out)
             return read("result.json"), (read(secret) if secret else None)
     except (paramiko.SSHException, OSError, EOFError) as e:
-        raise HostFault(host, f"connection lost fetching the serve session's results: {e}") from None
+        raise HostUnreachable(host, f"connection lost fetching the serve session's results: {e}") from None
 
 
 def _how(result: dict) -> str:

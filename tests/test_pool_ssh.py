@@ -168,3 +168,49 @@ def _cwd_under(proc: Path, root: Path) -> bool:
         return str(root) in os.readlink(proc / "cwd")
     except OSError:
         return False
+
+
+def test_the_pre_run_serve_check_warns_of_an_unreachable_host_and_goes_on(loopback, tmp_path, capsys):
+    """The dispatch retries a host that cannot be reached, so the check before a serve run lets the
+    run go on, but says so in one line with the reason."""
+    from gpu_pool.check import serve_problems
+
+    gone = loopback.host(loopback.servers[0]).model_copy(update={"name": "gone", "port": free_port()})
+    assert serve_problems(gone, str(tmp_path)) == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infersmith: warning: host gone could not be checked before "
+                                               "the run (cannot connect: ")
+    assert err[0].endswith("the run goes on, and work sent there is retried on another host")
+
+
+def test_the_pre_run_serve_check_reports_what_a_reachable_host_cannot_do(loopback, tmp_path, capsys):
+    """A workdir the host cannot create, a bundle it cannot write: problems, not nothing."""
+    from gpu_pool.check import serve_problems
+
+    host = loopback.host(loopback.servers[1])  # a's sshd is killed by the sweep above
+    no_workdir = host.model_copy(update={"workdir": "/proc/infersmith-work"})
+    assert serve_problems(no_workdir, str(tmp_path)) == [
+        "cannot create workdir /proc/infersmith-work: mkdir: cannot create directory '/proc/infersmith-work': "
+        "No such file or directory"]
+    blocked = tmp_path / "work"
+    blocked.mkdir()
+    (blocked / "bundles").write_text("a file where the bundles folder goes")
+    (problem,) = serve_problems(host.model_copy(update={"workdir": str(blocked)}), str(tmp_path))
+    assert problem.startswith(f"cannot create {blocked}/bundles/.") and problem.endswith("Not a directory")
+    assert capsys.readouterr().err == ""
+
+
+def test_a_command_past_its_limit_is_a_host_fault_not_a_lost_connection(loopback):
+    from gpu_pool.health import HostUnreachable
+    from gpu_pool.ssh import run_command
+
+    host = loopback.host(loopback.servers[1])  # a's sshd is killed by the sweep above
+    client = connect(host)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HostFault, match=r"`sleep 30` did not finish within 1 s") as fault:
+            run_command(client, host, "env A=1 sleep 30", 1)
+        assert time.monotonic() - t0 < 5 and not isinstance(fault.value, HostUnreachable)
+        assert run_command(client, host, "echo still here", 10) == (0, "still here\n", "")
+    finally:
+        client.close()
