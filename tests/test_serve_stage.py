@@ -226,6 +226,29 @@ def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
         served.verdict.failing_gate.detail
 
 
+@pytest.mark.parametrize("side, name, value", [
+    ("candidate", "itl_p50_ms", 0.0),  # every token in one read: no latency to speak of
+    ("candidate", "ttft_p90_ms", 0.0),
+    ("candidate", "output_tps", 0.0),
+    ("baseline", "itl_p90_ms", 0.0),
+    ("candidate", "itl_p50_ms", math.nan),
+])
+def test_a_metric_of_zero_on_either_side_fails_the_gate_and_stays_out_of_the_score(tmp_path, side, name, value):
+    base = {n: 10.0 for n in METRICS}
+    better = {n: 12.0 if higher else 8.0 for n, (_, _, higher) in METRICS.items()}
+    if side == "candidate":
+        better[name] = value
+    else:
+        base[name] = value
+    served = Served(Verdict(op="engine", candidate_id="x"), {"p": PatternRun("p", better, 0, tmp_path)})
+    compare(served, {"p": PatternRun("p", base, 0, tmp_path)}, margin=0.1)
+    assert served.verdict.status == "fail"
+    assert served.verdict.failing_gate.detail == (f"1 of 7 metrics short of the baseline by 10%: p/{name} "
+                                                  f"{better[name]:.4g} vs baseline {base[name]:.4g} (not a "
+                                                  "measurement: each must be above 0)")
+    assert f"p/vs_baseline_{name}" not in served.metrics and math.isclose(served.metrics["worst_vs_baseline"], 1.2)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model-dir", "/no/such/dir"], "not a model directory"),
     (["--patterns", "nope"], "no traffic pattern nope"),

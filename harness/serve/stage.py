@@ -201,8 +201,10 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
 
 def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: float) -> None:
     """The all-metrics gate: on every pattern, every metric at least `margin` better than the
-    baseline's. Adds per pattern `<pattern>/<metric>`, `baseline_<metric>`, `vs_baseline_<metric>`
-    (>1: better), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics."""
+    baseline's. A metric missing, or not above zero, on either side fails it: a latency of 0 (all
+    tokens in one read) or a throughput of 0 is no measurement to beat. Adds per pattern
+    `<pattern>/<metric>`, `baseline_<metric>`, `vs_baseline_<metric>` (>1: better; only where both
+    are measured), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics."""
     short, ratios = [], []
     for pattern, run in result.runs.items():
         for name, (_, _, higher) in aiperf.METRICS.items():
@@ -210,17 +212,20 @@ def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: floa
             if c is None or b is None:
                 short.append(f"{pattern}/{name} (not measured)")
                 continue
-            ratio = (c / b if b else math.inf) if higher else (b / c if c else math.inf)
-            result.metrics |= {f"{pattern}/{name}": c, f"{pattern}/baseline_{name}": b,
-                               f"{pattern}/vs_baseline_{name}": ratio}
+            result.metrics |= {f"{pattern}/{name}": c, f"{pattern}/baseline_{name}": b}
+            if not (0 < c < math.inf and 0 < b < math.inf):
+                short.append(f"{pattern}/{name} {c:.4g} vs baseline {b:.4g} (not a measurement: each must be "
+                             "above 0)")
+                continue
+            ratio = c / b if higher else b / c
+            result.metrics[f"{pattern}/vs_baseline_{name}"] = ratio
             ratios.append(ratio)
             needed = b * (1 + margin) if higher else b * (1 - margin)
             if (c < needed) if higher else (c > needed):
                 short.append(f"{pattern}/{name} {c:.4g} vs baseline {b:.4g} (needs {'≥' if higher else '≤'} {needed:.4g})")
-    finite = [r for r in ratios if math.isfinite(r) and r > 0]
-    if finite:
-        result.metrics["score"] = math.exp(sum(map(math.log, finite)) / len(finite))
-        result.metrics["worst_vs_baseline"] = min(finite)
+    if ratios:
+        result.metrics["score"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        result.metrics["worst_vs_baseline"] = min(ratios)
     total = len(result.runs) * len(aiperf.METRICS)
     detail = (f"every one of {total} metrics beats the baseline by {margin:.0%}" if not short else
               f"{len(short)} of {total} metrics short of the baseline by {margin:.0%}: " + "; ".join(short))
