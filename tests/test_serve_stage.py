@@ -226,6 +226,34 @@ def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
         served.verdict.failing_gate.detail
 
 
+def test_aiperf_counts_the_tokens_a_server_streams_not_those_its_usage_claims(tmp_path):
+    """A server whose `usage` claims 40 times the tokens it streams: AIPerf tokenizes what arrived
+    (with the model's tokenizer), so the claim buys no throughput."""
+    from tokenizers import Tokenizer
+
+    from harness.serve import aiperf
+    from harness.serve.job import Pattern
+    from harness.serve.server import ServerProcess
+    from loopback_sshd import free_port
+
+    model_dir = checkpoint("dense")
+    port = free_port()
+    server = ServerProcess("inflating", [sys.executable, str(FAKES / "inflating_usage_server.py"), str(port)],
+                           tmp_path / "server.log", {}, port).start(60)
+    try:
+        run = aiperf.run(Pattern(name="p", input_tokens_mean=16, output_tokens_mean=8, request_count=4,
+                                 warmup_requests=0), server.url, "any", model_dir, tmp_path / "aiperf", 300)
+    finally:
+        server.stop()
+    export = json.loads((run.out_dir / aiperf.EXPORT).read_text())
+    streamed = len(Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(" the" * 8,
+                                                                                 add_special_tokens=False).ids)
+    assert run.errors == 0 and run.metrics["requests"] == 4
+    assert export["output_sequence_length"]["avg"] == streamed
+    assert export["usage_completion_tokens"]["avg"] == 40 * 8  # claimed, and not counted
+    assert export["total_output_tokens"]["avg"] == 4 * streamed
+
+
 @pytest.mark.parametrize("side, name, value", [
     ("candidate", "itl_p50_ms", 0.0),  # every token in one read: no latency to speak of
     ("candidate", "ttft_p90_ms", 0.0),

@@ -70,7 +70,9 @@ def structured_dataset(path: Path, pattern: Pattern) -> Path:
 def command(p: Pattern, url: str, model: str, tokenizer_dir: Path, out_dir: Path) -> list[str]:
     cmd = [aiperf_command(), "profile", "--model", model, "--url", url, "--endpoint-type", p.endpoint,
            "--streaming", "--tokenizer", str(tokenizer_dir), "--artifact-dir", str(out_dir),
-           "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--use-server-token-count",
+           # No --use-server-token-count: AIPerf counts what it received with the model's tokenizer,
+           # since a candidate server's `usage` is the candidate's own claim
+           "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
            # the same fixed-length greedy work for every server
            "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
            "--output-tokens-mean", str(p.output_tokens_mean), "--output-tokens-stddev", str(p.output_tokens_stddev),
