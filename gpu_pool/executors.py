@@ -1,12 +1,16 @@
 """Run one stage on a slot: this machine's executor or the SSH one, and tell host faults apart."""
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
-from gpu_pool.health import HostFault, gpu_fault_in
+from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
 from gpu_pool.local import LocalExecutor, StageRun
 from gpu_pool.pool import Slot
-from gpu_pool.ssh import SSHExecutor
+from gpu_pool.ssh import SSHExecutor, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
 from harness.job import Job
 from harness.serve import stage
@@ -17,13 +21,52 @@ def executor_for(slot: Slot) -> LocalExecutor | SSHExecutor:
     return LocalExecutor() if slot.host.is_local else SSHExecutor()
 
 
+# Run by the pool in a process of its own, never by a candidate: whether the slot's GPU still
+# initializes and computes. Its outcome, not a candidate's log, is what benches a host.
+DEVICE_CHECK = """
+import torch
+torch.cuda.init()
+x = torch.ones(1 << 20, device="cuda")
+assert int(x.sum().item()) == 1 << 20, "a sum of ones on the GPU came out wrong"
+"""
+
+
 def run_stage(job: Job, slot: Slot, timeout_s: float) -> StageRun:
-    """The stage's run; a HostFault when the host failed (unreachable, dropped, or its GPU erred)."""
+    """The stage's run; a HostFault when the host failed: unreachable, dropped, or its GPU fails
+    the pool's device check after a crash whose output names a GPU error. That output is partly
+    the candidate's, which may print anything: it only decides whether the device is asked."""
     run = executor_for(slot).run(job, slot, timeout_s)
-    marker = gpu_fault_in(run.verdict)
-    if marker:
-        raise HostFault(slot.host, f"GPU {slot.gpu} error in the {job.stage} stage: {marker}")
+    if slot.gpu is not None and gpu_fault_in(run.verdict):
+        fault = device_fault(slot)
+        if fault:
+            raise HostFault(slot.host, f"GPU {slot.gpu} failed the pool's device check after the {job.stage} "
+                                       f"stage crashed: {fault}")
     return run
+
+
+def device_fault(slot: Slot, timeout_s: float = 120.0) -> str | None:
+    """Why the slot's GPU fails DEVICE_CHECK, run with the python that runs the harness there
+    and only that GPU visible; None when it passes."""
+    host = slot.host
+    if host.is_local:
+        try:
+            done = subprocess.run([sys.executable, "-c", DEVICE_CHECK], capture_output=True, text=True,
+                                  timeout=timeout_s, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(slot.gpu)})
+        except subprocess.TimeoutExpired:
+            return f"the device check ran past {timeout_s:g} s"
+        rc, err = done.returncode, done.stderr
+    else:
+        client = connect(host)
+        try:
+            rc, _, err = run_command(client, host, f"env CUDA_VISIBLE_DEVICES={slot.gpu} {host.python} -c "
+                                                   f"{shlex.quote(DEVICE_CHECK)}", timeout_s)
+        except HostUnreachable:
+            raise
+        except HostFault as e:  # the check itself ran past its limit
+            return e.reason
+        finally:
+            client.close()
+    return None if rc == 0 else (err.strip().splitlines() or [f"exit code {rc}"])[-1]
 
 
 class LocalServe:

@@ -27,6 +27,7 @@ GPU_FAULT_MARKERS = (
     "Failed to initialize NVML",
     "CUDA error: unknown error",
     "cudaErrorDevicesUnavailable",
+    "has no usable GPU",  # the harness's own (harness/device.py), where the job asks for cuda
 )
 
 
@@ -45,7 +46,9 @@ class HostUnreachable(HostFault):
 
 
 def gpu_fault_in(verdict: Verdict) -> str | None:
-    """The GPU error a crashed verdict reports, if its crash was the device's."""
+    """The GPU error marker a crashed verdict's log or failed gates name, if any. Their text holds
+    the candidate's own output, so this is a reason to ask the device (executors.device_fault),
+    never proof that it failed."""
     if verdict.status != CRASH:
         return None
     text = " ".join([verdict.log_tail] + [g.detail for g in verdict.gates if not g.passed])
