@@ -82,7 +82,9 @@ def _wall_us(engine: LLMEngine, steps: int) -> float:
 
 
 def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], context: int, steps: int,
-                   top: int, out=sys.stdout, async_decode: bool = True) -> None:
+                   top: int, out=None, async_decode: bool = True) -> None:
+    if out is None:  # looked up at the call: a redirected or captured stdout gets the report
+        out = sys.stdout
     cfg = ModelConfig.from_preset(PRESETS[preset])
     kernels = parse_kernels_file(kernels_file) if kernels_file else {}
     weights = random_weights(cfg, torch.bfloat16, "cuda")
