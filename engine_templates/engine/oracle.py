@@ -42,15 +42,11 @@ class HFOracle:
         from transformers import AutoModelForCausalLM
 
         # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
-        # Straight onto a GPU (device_map): no host copy of the weights first, which for
-        # qwen3-30b-a3b (61 GB) beside its checkpoint in /dev/shm would nearly fill the host's memory.
-        if device == "cpu":
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
-                                                         attn_implementation=attention)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
-                                                         attn_implementation=attention, device_map=device)
-        return cls(model)
+        # Loaded on the host, then moved: transformers' device_map would load straight onto a GPU
+        # but needs accelerate, which the GPU hosts may lack (and this package does not require).
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
+                                                     attn_implementation=attention)
+        return cls(model.to(device))
 
     @classmethod
     def sharing(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
