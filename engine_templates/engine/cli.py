@@ -15,6 +15,16 @@ import sys
 from pathlib import Path
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return port
+
+
 def add_commands(sub) -> None:
     """Adds `generate`, `serve`, `serve-reference`, `bench`, `profile` and `random-checkpoint` to an argparse
     subparsers object (each sets `engine_fn`)."""
@@ -28,14 +38,14 @@ def add_commands(sub) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sampling-seed", type=int, help="per-request seed for sampled decoding")
     g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past an end-of-sequence token")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt: text, "
                                                         "token ids, log-probabilities, kernels")
     g.set_defaults(engine_fn=cmd_generate)
     s = sub.add_parser("serve", help="serve a model directory over an OpenAI-compatible HTTP API")
     _add_engine_options(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    s.add_argument("--port", type=_port, default=8000, help="0: any free port (printed)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     s.add_argument("--request-log", action="store_true",
                    help="one line per finished request on stderr: prompt and generated tokens, and the ms after "
@@ -44,11 +54,12 @@ def add_commands(sub) -> None:
     r = sub.add_parser("serve-reference", help="serve a model directory through HF transformers (greedy, one "
                                                "request at a time): the accuracy reference and speed baseline")
     r.add_argument("--model-dir", required=True, type=Path)
-    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
     r.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    r.add_argument("--max-model-len", type=int, default=4096)
+    r.add_argument("--max-model-len", type=int, default=4096, help="tokens of a sequence, prompt and "
+                                                                    "completion (default 4096)")
     r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    r.add_argument("--port", type=_port, default=8000, help="0: any free port (printed)")
     r.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     r.set_defaults(engine_fn=cmd_serve_reference)
     b = sub.add_parser("bench", help="time the engine and HF transformers generate on random weights "
@@ -61,7 +72,7 @@ def add_commands(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true", help="time the engine without CUDA graphs")
     b.add_argument("--no-async-decode", dest="async_decode", action="store_false",
                    help="time the engine reading each decode step's tokens before queuing the next")
-    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
     b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     b.add_argument("--decode-tokens", type=int, default=128, help="engine batch-1 decode tokens")
     b.add_argument("--hf-decode-tokens", type=int, default=32, help="HF batch-1 decode tokens")
@@ -74,8 +85,9 @@ def add_commands(sub) -> None:
     b.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared with HF")
     b.add_argument("--phase-seconds", type=float, default=20.0,
                    help="a decode phase stops after this long and reports what it made")
-    b.add_argument("--tolerance", type=float, help="nats, for agreement (default 0.25 in bf16/fp16, 1e-3 in fp32)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--tolerance", type=float, help="nats, more than 0: how far the engine's log-probabilities "
+                   "may be from HF's (default 0.25 in bf16/fp16, 1e-3 in fp32)")
+    b.add_argument("--seed", type=int, default=0, help="the random weights' seed (as `random-checkpoint --seed`)")
     b.set_defaults(engine_fn=cmd_bench)
     f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
                                        "graphs, the device's busy time, the roofline, and an eager step's kernels")
@@ -106,10 +118,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    "*.safetensors, tokenizer.json")
     p.add_argument("--kernels", type=Path, help="JSON file choosing each op's implementation "
                                                 "(default: every op eager)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
     p.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096, help="tokens of a sequence, prompt and "
+                                                                    "completion, at least 1 (default 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch, at least 1 (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step that has a prompt chunk (a mixed step's decode tokens "
                         "included); longer prompts are chunked")
@@ -119,37 +132,35 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-decode", dest="async_decode", action="store_false",
                    help="read each decode step's tokens before queuing the next (default: the next "
                         "decode step is queued first, so the host's work overlaps the device's)")
-    p.add_argument("--num-kv-blocks", type=int, default=0, help="0: as many as memory allows")
+    p.add_argument("--num-kv-blocks", type=int, default=0, help="KV-cache blocks (default 0: as many as memory "
+                                                                 "allows)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32,64",
                    help="decode batch sizes captured as CUDA graphs, comma-separated")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the engine's random generator: sampled tokens of "
+                                                         "requests without their own seed")
 
 
 def engine_config(args):
     """Validates the model directory (one-line EngineSetupError) before anything heavy loads."""
-    from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
+    from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig, pick_device
     from engine_templates.engine.kernels import parse_kernels_file
 
     ModelConfig.from_dir(args.model_dir)
     kernels = parse_kernels_file(args.kernels) if args.kernels else {}
-    extra = {"device": args.device} if args.device else {}
+    device = pick_device(args.device)
     try:
         graph_sizes = tuple(int(b) for b in args.cuda_graph_batch_sizes.split(","))
     except ValueError:
         raise EngineSetupError(f"--cuda-graph-batch-sizes: expected integers separated by commas, "
                                f"got {args.cuda_graph_batch_sizes!r}") from None
-    try:
-        return EngineConfig(model_dir=args.model_dir, dtype=args.dtype, kernels=kernels,
-                            cuda_graph_batch_sizes=graph_sizes, block_size=args.block_size,
-                            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            mixed_steps=args.mixed_steps, async_decode=args.async_decode,
-                            num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
-                            seed=args.seed, **extra)
-    except AssertionError as e:
-        raise EngineSetupError(f"bad engine option: {e}") from None
+    return EngineConfig(model_dir=args.model_dir, dtype=args.dtype, device=device, kernels=kernels,
+                        cuda_graph_batch_sizes=graph_sizes, block_size=args.block_size,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        mixed_steps=args.mixed_steps, async_decode=args.async_decode,
+                        num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed)
 
 
 def cmd_generate(args) -> int:
@@ -183,44 +194,31 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from aiohttp import web
-
     from engine_templates.engine.engine import LLMEngine
-    from engine_templates.engine.server import create_app
+    from engine_templates.engine.server import check_listen, create_app, serve_app
 
-    engine = LLMEngine(engine_config(args))
+    config = engine_config(args)
+    check_listen(args.host, args.port)
+    engine = LLMEngine(config)
     name = args.served_model_name or Path(args.model_dir).resolve().name
     app = create_app(engine, name, request_log=args.request_log)
-
-    async def serve_forever():
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = runner.addresses[0][1]  # the real one when --port 0 asked for any
-        print(f"serving {name} on http://{args.host}:{port} (kernels: "
-              f"{json.dumps(engine.kernel_choices)})", flush=True)
-        try:
-            while True:
-                await asyncio.sleep(3600)
-        finally:
-            await runner.cleanup()
-
+    banner = lambda port: f"serving {name} on http://{args.host}:{port} (kernels: {json.dumps(engine.kernel_choices)})"
     try:
-        asyncio.run(serve_forever())
+        asyncio.run(serve_app(app, args.host, args.port, banner))
     except KeyboardInterrupt:
         pass
     return 0
 
 
 def cmd_serve_reference(args) -> int:
-    import torch
-
-    from engine_templates.engine.config import ModelConfig
+    from engine_templates.engine.config import ModelConfig, at_least, pick_device
     from engine_templates.engine.reference_server import ReferenceState, serve
+    from engine_templates.engine.server import check_listen
 
     ModelConfig.from_dir(args.model_dir)  # a bad directory is one line, before transformers loads
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(args.device)
+    at_least("--max-model-len", args.max_model_len, 1)
+    check_listen(args.host, args.port)
     name = args.served_model_name or Path(args.model_dir).resolve().name
     state = ReferenceState(args.model_dir, name, args.dtype, device, args.max_model_len)
     try:
@@ -232,26 +230,24 @@ def cmd_serve_reference(args) -> int:
 
 def cmd_bench(args) -> int:
     from engine_templates.engine.bench import EAGER, BenchOptions, Workload, run
-    from engine_templates.engine.config import EngineSetupError
+    from engine_templates.engine.config import EngineSetupError, pick_device
     from engine_templates.engine.kernels import parse_kernels_file
 
     variants = tuple(args.kernels or [EAGER])
     specs = {k: parse_kernels_file(Path(k)) for k in variants if k != EAGER}
+    work = Workload(decode_tokens=args.decode_tokens, hf_decode_tokens=args.hf_decode_tokens,
+                    ttft_lengths=tuple(args.ttft_lengths), ttft_reps=args.ttft_reps,
+                    concurrency=args.concurrency, concurrent_prompt=args.concurrent_prompt,
+                    concurrent_tokens=args.concurrent_tokens, hf_concurrent_tokens=args.hf_concurrent_tokens,
+                    check_tokens=args.check_tokens, cap_s=args.phase_seconds)
+    opts = BenchOptions(presets=tuple(args.presets), out=args.out, work=work, kernels=variants,
+                        dtype=args.dtype, device=pick_device(args.device), skip_hf=args.skip_hf,
+                        enforce_eager=args.enforce_eager, async_decode=args.async_decode,
+                        tolerance=args.tolerance, seed=args.seed, kernel_specs=specs)
     try:
-        work = Workload(decode_tokens=args.decode_tokens, hf_decode_tokens=args.hf_decode_tokens,
-                        ttft_lengths=tuple(args.ttft_lengths), ttft_reps=args.ttft_reps,
-                        concurrency=args.concurrency, concurrent_prompt=args.concurrent_prompt,
-                        concurrent_tokens=args.concurrent_tokens,
-                        hf_concurrent_tokens=args.hf_concurrent_tokens, check_tokens=args.check_tokens,
-                        cap_s=args.phase_seconds)
-        extra = {"device": args.device} if args.device else {}
-        opts = BenchOptions(presets=tuple(args.presets), out=args.out, work=work, kernels=variants,
-                            dtype=args.dtype, skip_hf=args.skip_hf,
-                            enforce_eager=args.enforce_eager, async_decode=args.async_decode,
-                            tolerance=args.tolerance,
-                            seed=args.seed, kernel_specs=specs, **extra)
-    except AssertionError as e:
-        raise EngineSetupError(f"bad bench option: {e}") from None
+        opts.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, say
+        raise EngineSetupError(f"--out {opts.out}: cannot make the directory: {e.strerror}") from None
     return run(opts)
 
 
@@ -271,9 +267,14 @@ def cmd_random_checkpoint(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        self.exit(2, f"infersmith: {message} (see `{self.prog} --help`)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_templates.engine")
-    add_commands(parser.add_subparsers(dest="command", required=True))
+    parser = _Parser(prog="python -m engine_templates.engine")
+    add_commands(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
     args = parser.parse_args(argv)
     from engine_templates.engine.config import EngineSetupError
 

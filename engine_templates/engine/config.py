@@ -21,6 +21,27 @@ class ModelDirError(EngineSetupError):
     """A model directory that cannot be served."""
 
 
+def at_least(option: str, value: int | float, low: int | float) -> None:
+    if value < low:
+        raise EngineSetupError(f"{option} must be at least {low}, not {value}")
+
+
+def pick_device(device: str | None) -> str:
+    """`--device`: cuda (or cuda:N) or cpu, refused in one line where this machine cannot use it;
+    None: cuda when available."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise EngineSetupError(f"--device: expected cuda or cpu, got {device!r}") from None
+    if kind not in ("cuda", "cpu"):
+        raise EngineSetupError(f"--device: expected cuda or cpu, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise EngineSetupError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs from a HuggingFace config.json of Qwen3 or Qwen3-MoE."""
@@ -45,9 +66,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        assert self.heads % self.kv_heads == 0, "q heads must be a multiple of kv heads"
-        assert self.head_dim % 2 == 0, "RoPE needs an even head_dim"
-        assert not self.experts or 0 < self.experts_per_token <= self.experts
+        if self.heads % self.kv_heads:
+            raise ValueError(f"q heads ({self.heads}) must be a multiple of kv heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}")
+        if self.experts and not 0 < self.experts_per_token <= self.experts:
+            raise ValueError(f"experts per token must be 1..{self.experts} (the experts), "
+                             f"not {self.experts_per_token}")
 
     @property
     def is_moe(self) -> bool:
@@ -74,7 +99,7 @@ class ModelConfig:
             return cls._parse(raw, model_type, path.parent)
         except KeyError as e:
             raise ModelDirError(f"{path}: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError, AssertionError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ModelDirError(f"{path}: {e or 'inconsistent values'}") from None
 
     @classmethod
@@ -163,12 +188,19 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self):
-        assert self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"
-        assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_model_len > 0
-        assert self.max_num_batched_tokens >= 1
-        assert 0 < self.gpu_memory_utilization <= 1
-        assert self.num_kv_blocks >= 0
-        assert all(b > 0 for b in self.cuda_graph_batch_sizes)
+        # Named as the engine's command-line options (engine_templates/engine/cli.py) name them.
+        if self.dtype not in DTYPES:
+            raise EngineSetupError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        for option, value, low in (("--block-size", self.block_size, 1), ("--max-num-seqs", self.max_num_seqs, 1),
+                                   ("--max-model-len", self.max_model_len, 1),
+                                   ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
+                                   ("--num-kv-blocks", self.num_kv_blocks, 0)):
+            at_least(option, value, low)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineSetupError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
+        if any(b < 1 for b in self.cuda_graph_batch_sizes):
+            raise EngineSetupError(f"--cuda-graph-batch-sizes must all be at least 1, not "
+                                   f"{','.join(map(str, self.cuda_graph_batch_sizes))}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

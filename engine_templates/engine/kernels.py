@@ -35,6 +35,9 @@ log = logging.getLogger("infersmith.engine")
 ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "qk_norm_rope", "decode_attention",
               "prefill_attention", "fused_moe")
 IMPLS = ("reference", "eager", "template", "free")
+FIELD_TYPES = {"impl": (str, "a string"), "template": (str, "a template's name"),
+               "point": (dict, 'an object of the template\'s parameters, e.g. {"block_n": 0}'),
+               "path": (str, "a file path (a string)")}
 # Ops the engine called once and no longer does, with what replaced them: a kernels file (or a
 # tracked engine candidate) from before still loads, the choice ignored with a warning.
 RETIRED_OPS = {"rope": "qk_norm_rope (q/k norms and RoPE in one op)"}
@@ -49,6 +52,8 @@ def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
         raise KernelFileError(f"cannot read kernels file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise KernelFileError(f"{path}: not a text file (not UTF-8)") from None
     except json.JSONDecodeError as e:
         raise KernelFileError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
     if not isinstance(raw, dict):
@@ -64,9 +69,12 @@ def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
             raise KernelFileError(f"{where}: not an op the engine uses ({', '.join(ENGINE_OPS)})")
         if not isinstance(choice, dict) or choice.get("impl") not in IMPLS:
             raise KernelFileError(f"{where}: expected {{\"impl\": one of {', '.join(IMPLS)}, ...}}")
-        unknown = set(choice) - {"impl", "template", "point", "path"}
+        unknown = set(choice) - set(FIELD_TYPES)
         if unknown:
             raise KernelFileError(f"{where}: unknown keys {sorted(unknown)}")
+        for key, (kind, says) in FIELD_TYPES.items():
+            if key in choice and not isinstance(choice[key], kind):
+                raise KernelFileError(f"{where}: {key} must be {says}, not {json.dumps(choice[key])}")
         path_field = choice.get("path", "")
         if path_field and not Path(path_field).is_absolute():
             path_field = str(Path(path).parent / path_field)  # relative to the kernels file

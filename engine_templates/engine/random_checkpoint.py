@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine_templates.engine.config import ARCHITECTURES, EngineSetupError, ModelConfig
+from engine_templates.engine.config import ARCHITECTURES, EngineSetupError, ModelConfig, pick_device
 from engine_templates.engine.tokenizer import CHATML
 
 # Ordinary English, so that AIPerf's synthetic prompts (English prose) get English-like merges.
@@ -111,20 +111,6 @@ def config_json(cfg: ModelConfig, bos: int, eos: int) -> dict:
     return dict(sorted(raw.items()))
 
 
-def _device(device: str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        raise EngineSetupError(f"--device: expected cuda or cpu, got {device!r}") from None
-    if kind not in ("cuda", "cpu"):
-        raise EngineSetupError(f"--device: expected cuda or cpu, got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise EngineSetupError("--device cuda: CUDA is not available on this machine")
-    return device
-
-
 def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """Whole weights (in order) grouped into shards of at most max_bytes (one larger weight alone)."""
     shards: list[list[str]] = [[]]
@@ -167,7 +153,7 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str |
         if layers < 1:
             raise EngineSetupError(f"--layers must be at least 1, got {layers}")
         dims = dataclasses.replace(dims, layers=layers)
-    device = _device(device)
+    device = pick_device(device)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EngineSetupError(f"--out {out} exists and is not a directory")

@@ -20,7 +20,7 @@ from engine_templates.engine.oracle import HFOracle
 from engine_templates.engine.request_params import (APIError, chat_prompt, completion_prompt, requested_logprobs,
                                                     sampling_params)
 from engine_templates.engine.engine_loop import Update
-from engine_templates.engine.server import STATE, _body, _Reply, _send, openai_errors, token_logprobs
+from engine_templates.engine.server import STATE, _body, _Reply, _send, openai_errors, serve_app, token_logprobs
 from engine_templates.engine.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20
@@ -156,15 +156,5 @@ def create_reference_app(state: ReferenceState) -> web.Application:
 
 
 async def serve(state: ReferenceState, host: str, port: int) -> None:
-    runner = web.AppRunner(create_reference_app(state), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    print(f"serving {state.model_name} on http://{host}:{runner.addresses[0][1]} (reference: transformers)",
-          flush=True)
-    try:
-        while True:
-            await asyncio.sleep(3600)
-    finally:
-        await runner.cleanup()
-
+    await serve_app(create_reference_app(state), host, port,
+                    lambda real: f"serving {state.model_name} on http://{host}:{real} (reference: transformers)")

@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 import uuid
+from typing import Callable
 
 from aiohttp import web
 
+from engine_templates.engine.config import EngineSetupError
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.engine_loop import EngineLoop, Request, Update
 from engine_templates.engine.request_params import (APIError, chat_prompt, completion_prompt, requested_logprobs,
@@ -242,3 +246,39 @@ def create_app(engine: LLMEngine, model_name: str, request_log: bool = False) ->
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app
+
+
+def check_listen(host: str, port: int) -> None:
+    """Refuses, before a model loads, an address this machine cannot listen on: an unknown host,
+    a port in use (serve_app refuses the same if the port is taken meanwhile)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's listener does
+            s.bind(address)
+    except OSError as e:
+        raise _cannot_listen(host, port, e) from None
+
+
+def _cannot_listen(host: str, port: int, e: OSError) -> EngineSetupError:
+    # the errno's own words: asyncio rewords a failed bind ("error while attempting to bind ...")
+    why = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
+    return EngineSetupError(f"cannot listen on {host}:{port}: {why}")
+
+
+async def serve_app(app: web.Application, host: str, port: int, banner: Callable[[int], str]) -> None:
+    """Serves `app` until cancelled; prints banner(port) once it listens (the real port when 0
+    asked for any)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            raise _cannot_listen(host, port, e) from None
+        print(banner(runner.addresses[0][1]), flush=True)
+        while True:
+            await asyncio.sleep(3600)
+    finally:
+        await runner.cleanup()

@@ -24,7 +24,7 @@ import torch
 from engine_templates.engine.bench.measure import Workload, check, engine_phases, hf_phases
 from engine_templates.engine.bench.report import markdown
 from engine_templates.engine.bench.roofline import bounds, weight_bytes
-from engine_templates.engine.config import DTYPES, EngineConfig, KernelSpec, ModelConfig
+from engine_templates.engine.config import DTYPES, EngineConfig, EngineSetupError, KernelSpec, ModelConfig
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.loader import random_weights
 from engine_templates.models import PRESETS
@@ -51,9 +51,14 @@ class BenchOptions:
 
     def __post_init__(self):
         unknown = [p for p in self.presets if p not in PRESETS]
-        assert not unknown, f"unknown presets {unknown}; known: {', '.join(PRESETS)}"
-        assert self.presets and self.kernels and self.dtype in DTYPES
-        assert all(k == EAGER or k in self.kernel_specs for k in self.kernels), "unparsed kernels file"
+        if unknown or not self.presets:
+            raise EngineSetupError(f"--presets: unknown presets {unknown}; known: {', '.join(PRESETS)}")
+        if self.dtype not in DTYPES:
+            raise EngineSetupError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise EngineSetupError(f"--tolerance must be more than 0 nats, not {self.tolerance}")
+        if not self.kernels or any(k != EAGER and k not in self.kernel_specs for k in self.kernels):
+            raise ValueError("every kernels variant must be `eager` or a parsed kernels file")
 
 
 _START = time.perf_counter()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_templates.engine.config import EngineSetupError, at_least
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.sequence import SamplingParams
 
@@ -33,11 +34,16 @@ class Workload:
     cap_s: float = 20.0
 
     def __post_init__(self):
-        assert min(self.decode_prompt, self.decode_tokens, self.hf_decode_tokens, self.ttft_reps,
-                   self.concurrency, self.concurrent_prompt, self.concurrent_tokens,
-                   self.hf_concurrent_tokens, self.check_prompts, self.check_prompt_len,
-                   self.check_tokens) >= 1, "every count must be at least 1"
-        assert self.ttft_lengths and min(self.ttft_lengths) >= 1 and self.cap_s > 0
+        # The options of `engine bench` (engine_templates/engine/cli.py) named as it names them.
+        for name in ("decode_tokens", "hf_decode_tokens", "ttft_reps", "concurrency", "concurrent_prompt",
+                     "concurrent_tokens", "hf_concurrent_tokens", "check_tokens"):
+            at_least(f"--{name.replace('_', '-')}", getattr(self, name), 1)
+        for name in ("decode_prompt", "check_prompts", "check_prompt_len"):
+            at_least(name, getattr(self, name), 1)
+        if not self.ttft_lengths or min(self.ttft_lengths) < 1:
+            raise EngineSetupError(f"--ttft-lengths must be at least 1, not {list(self.ttft_lengths)}")
+        if self.cap_s <= 0:
+            raise EngineSetupError(f"--phase-seconds must be more than 0, not {self.cap_s}")
 
     def max_len(self) -> int:
         """The longest sequence any phase makes."""
