@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +25,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+def _prefect_unreachable(e: BaseException) -> str | None:
+    """The URL of the Prefect server that PREFECT_API_URL names, where `e` (or what it arose
+    from) is a request to it that could not connect; else None."""
+    import httpx
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    while url and e is not None:
+        if isinstance(e, httpx.TransportError):
+            try:
+                if str(e.request.url).startswith(url.rstrip("/")):
+                    return url
+            except RuntimeError:  # raised without its request
+                pass
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -31,41 +50,56 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _add_target_options(p: argparse.ArgumentParser) -> None:
+def _gpu_classes() -> str:
+    from typing import get_args
+
+    from gpu_pool.pool import GPUClassName
+
+    return ", ".join(("any",) + get_args(GPUClassName))
+
+
+def _add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
+    """The target's options; `kernel`: also those only the kernel stages read (shapes, tolerance,
+    input sets), which the end-to-end commands do not take."""
     g = p.add_argument_group("target")
     g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    g.add_argument("--gpu-class", default="any", help="run only on this GPU class (any, cpu, h100, h200, b200)")
-    g.add_argument("--decode-batches", type=_ints, help="e.g. 1,8,32,128 (default from the preset)")
-    g.add_argument("--prefill-tokens", type=_ints, help="e.g. 2048,16384")
-    g.add_argument("--contexts", type=_ints, help="attention context lengths, e.g. 4096,32768")
-    g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
-    g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
+    g.add_argument("--gpu-class", default="any", help=f"run only on this GPU class ({_gpu_classes()})")
+    if kernel:
+        g.add_argument("--decode-batches", type=_ints, help="e.g. 1,8,32,128 (default from the preset)")
+        g.add_argument("--prefill-tokens", type=_ints, help="e.g. 2048,16384")
+        g.add_argument("--contexts", type=_ints, help="attention context lengths, e.g. 4096,32768")
+        g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
+        g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
     g.add_argument("--stage-timeout", type=float, default=600.0, help="seconds one stage may run")
 
 
-def _target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
+def _validated(model, data: dict, what: str):
+    """A pydantic model from options, its first error as a usage error."""
     from pydantic import ValidationError
 
-    from flows.target import Target
-
-    data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class, "rtol": args.rtol,
-            "seeds": args.seeds, "budget": {"candidates": candidates, "wall_clock_s": wall_clock,
-                                            "plateau": plateau, "stage_timeout_s": args.stage_timeout}}
-    workload = {k: v for k, v in (("decode_batches", args.decode_batches),
-                                  ("prefill_tokens", args.prefill_tokens),
-                                  ("contexts", args.contexts)) if v is not None}
-    if workload:
-        from flows.target import TINY_WORKLOAD, Workload
-
-        base = TINY_WORKLOAD if args.model == "tiny" else Workload()
-        data["workload"] = base.model_dump() | workload
     try:
-        return Target.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
-        raise UsageError(f"bad target: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise UsageError(f"bad {what}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def _target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
+    from flows.target import TINY_WORKLOAD, Target, Workload, is_tiny
+
+    data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class,
+            "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
+                       "stage_timeout_s": args.stage_timeout}}
+    if hasattr(args, "rtol"):  # the kernel options (_add_target_options)
+        data |= {"rtol": args.rtol, "seeds": args.seeds}
+        workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")
+                    if getattr(args, k) is not None}
+        if workload:
+            base = TINY_WORKLOAD if is_tiny(args.model) else Workload()
+            data["workload"] = base.model_dump() | workload
+    return _validated(Target, data, "target")
 
 
 def _pool(path: str | None):
@@ -75,6 +109,16 @@ def _pool(path: str | None):
         return load_pool(path)
     except PoolFileError as e:
         raise UsageError(f"bad pool file: {e}") from None
+
+
+def _pool_with(path: str | None, gpu_class: str):
+    """The pool and its slots of the class, refused before anything starts when it has none."""
+    pool = _pool(path)
+    slots = pool.slots(gpu_class)
+    if not slots:
+        has = ", ".join(sorted({h.gpu_class for h in pool.hosts}))
+        raise UsageError(f"the pool has no host of GPU class {gpu_class} (its hosts' classes: {has})")
+    return pool, slots
 
 
 def _op(name: str):
@@ -128,10 +172,11 @@ def cmd_evaluate(args) -> int:
     problem = screen_signature(source, op.name, op.arg_names)
     if problem:
         raise UsageError(f"{path}: {problem}")
+    pool, _ = _pool_with(args.pool, target.gpu_class)
     from flows.evaluate_op import evaluate_candidate
 
     _open_store()
-    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=_pool(args.pool))
+    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=pool)
     verdict = result["verdict"]
     if args.json:
         print(json.dumps(result, indent=1))
@@ -161,11 +206,12 @@ def cmd_optimize(args) -> int:
     _shapes_fit(op, target)
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
+    pool, _ = _pool_with(args.pool, target.gpu_class)
     from flows.optimize_op import optimize_op
 
     _open_store()
     optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
-                pool=_pool(args.pool))
+                pool=pool)
     return 0
 
 
@@ -177,6 +223,8 @@ def cmd_leaderboard(args) -> int:
     op = _op(args.op)
     from engine_templates.models import PRESETS
 
+    if args.limit < 1:
+        raise UsageError(f"--limit must be at least 1, not {args.limit}")
     if args.model and args.model not in PRESETS:
         raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
     ranked = board(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
@@ -218,6 +266,8 @@ def cmd_pool_check(args) -> int:
     from flows.target import Target
     from gpu_pool.check import check_host, table
 
+    if not args.stage_timeout > 0:
+        raise UsageError(f"--stage-timeout must be more than 0 seconds, not {args.stage_timeout}")
     pool = _pool(args.pool)
     # The bundle check compiles the first op's default template point on the tiny preset.
     from engine_templates.ops import OPS
@@ -261,9 +311,9 @@ def cmd_gauntlet(args) -> int:
         if not cases:
             raise UsageError(f"no gauntlet case{' of ' + args.op if args.op else ''} has "
                              f"{' or '.join(repr(p) for p in args.case)} in its name")
-    slots = _pool(args.pool).slots(args.gpu_class)
-    if not slots:
-        raise UsageError(f"the pool has no slot of class {args.gpu_class}")
+    target = _validated(Target, {"model": args.model, "gpu_class": args.gpu_class,
+                                 "budget": {"stage_timeout_s": args.stage_timeout}}, "target")
+    _, slots = _pool_with(args.pool, target.gpu_class)
     if args.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, not {args.jobs}")
     slot = slots[0]
@@ -273,7 +323,6 @@ def cmd_gauntlet(args) -> int:
         cases = [c for c in cases if not c.gpu_only]
         if not cases:
             raise UsageError(f"every chosen case needs a GPU, and {slot.label} has none")
-    target = Target(model=args.model, budget={"stage_timeout_s": args.stage_timeout})
     print(f"gauntlet: {len(cases)} cases on {slot.label}"
           + (f", {args.jobs} at a time (one bench stage at a time)" if args.jobs > 1 else ""), file=sys.stderr)
 
@@ -308,9 +357,9 @@ def cmd_gauntlet(args) -> int:
 def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
     """The target with its serving settings: the preset's, a --serving file over them, then options."""
     import yaml
-    from pydantic import ValidationError
 
     from flows.target import Serving
+    from harness.serve.baselines import ENGINES
 
     target = _target(args, candidates, wall_clock)
     serving = target.serving.model_dump()
@@ -319,6 +368,8 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
             loaded = yaml.safe_load(Path(args.serving).read_text())
         except OSError as e:
             raise UsageError(f"cannot read serving file {args.serving}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.serving}: not a text file (not UTF-8)") from None
         except yaml.YAMLError as e:
             raise UsageError(f"{args.serving}: not valid YAML or JSON ({str(e).splitlines()[0]})") from None
         if not isinstance(loaded, dict):
@@ -328,18 +379,38 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
         serving["baseline"] = args.baseline
     if args.margin is not None:
         serving["margin"] = args.margin
+    checked = _validated(Serving, serving, "serving settings")
     if args.patterns:
-        known = [p["name"] for p in serving["traffic"]]
+        known = [p.name for p in checked.traffic]
         unknown = sorted(set(args.patterns) - set(known))
         if unknown:
             raise UsageError(f"no traffic pattern {', '.join(unknown)}; the target has {', '.join(known)}")
-        serving["traffic"] = [p for p in serving["traffic"] if p["name"] in args.patterns]
+        checked = checked.model_copy(update={"traffic": [p for p in checked.traffic if p.name in args.patterns]})
+    if checked.baseline != "reference" and checked.baseline not in ENGINES:
+        _check_command(checked.baseline, "--baseline" if args.baseline else f"{args.serving}: baseline")
+    return target.model_copy(update={"serving": checked})
+
+
+SERVER_PLACEHOLDERS = ("port", "model_dir", "name", "replica")
+
+
+def _check_command(command: str, what: str) -> None:
+    """A server command is filled in and split as the end-to-end stage will (harness/serve/stage.py,
+    command_argv): a mistake there is a usage error now, not a crash after the reference ran."""
+    known = ", ".join(f"{{{p}}}" for p in SERVER_PLACEHOLDERS)
     try:
-        return target.model_copy(update={"serving": Serving.model_validate(serving)})
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise UsageError(f"bad serving settings: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        filled = command.format(port=8000, model_dir="/model", name="model", replica=0)
+    except KeyError as e:
+        raise UsageError(f"{what}: unknown placeholder {{{e.args[0]}}} in {command!r}; known: {known}") from None
+    except (IndexError, AttributeError, ValueError) as e:
+        raise UsageError(f"{what}: cannot fill in {command!r} ({e}); placeholders: {known}, "
+                         "and a literal brace is written {{ or }}") from None
+    try:
+        argv = shlex.split(filled)
+    except ValueError as e:
+        raise UsageError(f"{what}: {command!r} cannot be split like a shell line: {e}") from None
+    if not argv:
+        raise UsageError(f"{what}: the command is empty")
 
 
 def _model_dir(path: str) -> Path:
@@ -358,10 +429,7 @@ def _serve_place(args, target):
     from gpu_pool.check import serve_problems
     from harness.serve.baselines import ENGINES
 
-    pool = _pool(args.pool)
-    slots = pool.slots(target.gpu_class)
-    if not slots:
-        raise UsageError(f"the pool has no host of GPU class {target.gpu_class}")
+    pool, slots = _pool_with(args.pool, target.gpu_class)
     problem = pool.group_problem(target.gpu_class, target.serving.replicas)
     if problem:
         raise UsageError(f"serving.replicas: {problem}")
@@ -410,6 +478,8 @@ def _fmt(v) -> str:
 
 def cmd_serve_bench(args) -> int:
     target = _serve_target(args)
+    if args.candidate is not None:
+        _check_command(args.candidate, "--candidate")
     kernels = _kernels(args.kernels)
     pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import serve_bench
@@ -436,6 +506,8 @@ def cmd_serve_bench(args) -> int:
 
 
 def cmd_optimize_engine(args) -> int:
+    if args.kernels_per_op < 0:
+        raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
     target = _serve_target(args, args.budget, args.wall_clock)
     include = [{"kernels": _kernels(k)} for k in args.include or []]
     pool, model_dir = _serve_place(args, target)
@@ -457,13 +529,13 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", help='the server to beat: "reference" (default: the HF transformers reference '
                                       'server), "vllm", "sglang" (that engine\'s server, which the python '
                                       'running the servers must import), or a command with {port}, '
-                                      '{model_dir}, {name}')
+                                      '{model_dir}, {name}, {replica}')
     p.add_argument("--serving", help="YAML or JSON file of serving settings (traffic, accuracy, margin, baseline)")
     p.add_argument("--patterns", type=lambda t: [x for x in t.split(",") if x],
                    help="only these traffic patterns, comma-separated")
     p.add_argument("--margin", type=float, help="every metric must beat the baseline by this fraction (default 0.02)")
     p.add_argument("--pool", help="pool.yaml (default: this machine)")
-    _add_target_options(p)
+    _add_target_options(p, kernel=False)
 
 
 def cmd_engine(args) -> int:
@@ -505,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first")
     lb.add_argument("--op", required=True)
     lb.add_argument("--model", help="only this model preset")
-    lb.add_argument("--limit", type=int, default=20)
+    lb.add_argument("--limit", type=int, default=20, help="rows shown, at least 1 (default 20)")
     lb.set_defaults(fn=cmd_leaderboard)
 
     r = sub.add_parser("report", help="markdown tables of the best candidate per shape vs eager and compile")
@@ -516,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gauntlet", help="run the red-team and honest suites; print a markdown table")
     g.add_argument("--op", help="only this op's cases (default: every op)")
     g.add_argument("--pool", help="pool.yaml (default: this machine); runs on the first slot")
-    g.add_argument("--gpu-class", default="any", help="use a slot of this class (any, cpu, h100, h200, b200)")
+    g.add_argument("--gpu-class", default="any", help=f"use a slot of this class ({_gpu_classes()})")
     g.add_argument("--model", default="tiny", help="model preset for the shapes (default tiny)")
     g.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one stage may run")
     g.add_argument("--case", action="append", help="only cases whose name (op/file or op/template[point]) "
@@ -529,7 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool_sub = pl.add_subparsers(dest="pool_command", required=True, parser_class=_Parser)
     pc = pool_sub.add_parser("check", help="connect to every host: GPUs, driver, torch, triton, does the bundle run")
     pc.add_argument("--pool", help="pool.yaml (default: this machine)")
-    pc.add_argument("--stage-timeout", type=float, default=300.0, help="seconds the bundle check may run")
+    pc.add_argument("--stage-timeout", type=float, default=300.0, help="seconds the bundle check may run "
+                                                                       "(default 300)")
     pc.set_defaults(fn=cmd_pool_check)
     pr = pool_sub.add_parser("release", help="free every GPU lease of the pool (after a killed flow, "
                                              "on a Prefect API without a server)")
@@ -540,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "AIPerf; print the side-by-side table")
     sb.add_argument("--kernels", help="kernels file for the engine (default: every op eager)")
     sb.add_argument("--candidate", help="judge the server this command starts instead of the engine "
-                                        "({port}, {model_dir}, {name} are filled in)")
+                                        "({port}, {model_dir}, {name}, {replica} are filled in)")
     sb.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_serve_options(sb)
     sb.set_defaults(fn=cmd_serve_bench)
@@ -550,13 +623,16 @@ def build_parser() -> argparse.ArgumentParser:
     oe.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
     oe.add_argument("--seed", type=int, default=0)
     oe.add_argument("--kernels-per-op", type=int, default=2,
-                    help="best GPU-timed leaderboard kernels offered per op besides eager (default 2)")
+                    help="best GPU-timed leaderboard kernels offered per op besides eager (default 2; "
+                         "0: every op eager, only the engine's knobs searched)")
     oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
     oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)
 
-    en = sub.add_parser("engine", help="the LLM engine: generate text, or serve an OpenAI-compatible API")
+    about = ("the LLM engine: generate, serve (an OpenAI-compatible API), serve-reference (HF transformers), "
+             "bench, profile, random-checkpoint")
+    en = sub.add_parser("engine", help=about, description=about[0].upper() + about[1:] + ".")
     from engine_templates.engine.cli import add_commands
 
     add_commands(en.add_subparsers(dest="engine_command", required=True, parser_class=_Parser))
@@ -578,6 +654,13 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     except TrackingStoreError as e:
         print(f"infersmith: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        url = _prefect_unreachable(e)
+        if url is None:
+            raise
+        print(f"infersmith: the Prefect server at {url} is unreachable: start it (`prefect server start`), "
+              "or unset PREFECT_API_URL to run on an ephemeral one", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("infersmith: interrupted; finished candidates are in MLflow", file=sys.stderr)

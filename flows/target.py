@@ -9,10 +9,11 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
                       field_validator, model_validator)
 
 from engine_templates.models import PRESETS, ModelDims
+from gpu_pool.pool import GPUClassName
 from harness.job import Rules
 from harness.serve.job import AccuracyRules, Pattern
 
-GPUClass = Literal["any", "cpu", "h100", "h200", "b200"]
+GPUClass = Literal["any", GPUClassName]  # "any", or a class a pool file's host may have
 DType = Literal["bf16", "fp16", "fp32"]
 
 # Relative error ||out - ref|| / ||ref|| allowed per output dtype: a few ulps of the

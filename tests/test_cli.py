@@ -5,6 +5,9 @@ import json
 import subprocess
 import sys
 
+# Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
+# not the capsys stream of whichever test would import it first (closed after that test).
+from prefect import flow  # noqa: F401
 import pytest
 
 from conftest import CANDIDATES
@@ -41,6 +44,32 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "fused_moe", "--model", "qwen3-8b"], "needs a mixture-of-experts preset"),
     (["gauntlet", "--op", "rmsnorm", "--jobs", "0"], "--jobs must be at least 1"),
     (["gauntlet", "--op", "silu_mul", "--case", "no_such_case"], "no gauntlet case of silu_mul has 'no_such_case'"),
+    # this machine is the pool: a CPU host; a100 is a class a pool file may give a host, so it is
+    # refused for the pool's lack, as h100 is, before any flow starts
+    (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "honest_torch.py"),
+      "--gpu-class", "h100"], "the pool has no host of GPU class h100 (its hosts' classes: cpu)"),
+    (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "honest_torch.py"),
+      "--gpu-class", "a100"], "the pool has no host of GPU class a100"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--gpu-class", "h200"], "the pool has no host of GPU class h200"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--gpu-class", "h999"], "gpu_class: Input should be 'any'"),
+    (["gauntlet", "--op", "rmsnorm", "--gpu-class", "l40s"], "the pool has no host of GPU class l40s"),
+    (["gauntlet", "--op", "rmsnorm", "--model", "nope"], "unknown model preset 'nope'"),
+    (["gauntlet", "--op", "rmsnorm", "--stage-timeout", "0"], "stage_timeout_s: Input should be greater than 0"),
+    (["leaderboard", "--op", "rmsnorm", "--limit", "0"], "--limit must be at least 1, not 0"),
+    (["leaderboard", "--op", "rmsnorm", "--limit", "-1"], "--limit must be at least 1, not -1"),
+    (["pool", "check", "--stage-timeout", "-5"], "--stage-timeout must be more than 0 seconds, not -5.0"),
+    (["optimize-engine", "--model-dir", ".", "--kernels-per-op", "-1"], "--kernels-per-op must be at least 0"),
+    # the end-to-end commands take no option of the kernel stages
+    (["serve-bench", "--model-dir", ".", "--rtol", "0.5"], "unrecognized arguments: --rtol 0.5"),
+    (["optimize-engine", "--model-dir", ".", "--decode-batches", "1"], "unrecognized arguments: --decode-batches 1"),
+    # a server command is filled in and split before anything runs
+    (["serve-bench", "--model-dir", "/absent", "--model", "tiny", "--baseline", "python3 -m http.server {prot}"],
+     "--baseline: unknown placeholder {prot} in 'python3 -m http.server {prot}'; known: {port}, {model_dir}, "
+     "{name}, {replica}"),
+    (["serve-bench", "--model-dir", "/absent", "--model", "tiny", "--candidate", "srv --port {port"],
+     "--candidate: cannot fill in 'srv --port {port' (expected '}' before end of string)"),
+    (["optimize-engine", "--model-dir", "/absent", "--model", "tiny", "--baseline", "srv '{port}"],
+     "cannot be split like a shell line: No closing quotation"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -126,3 +155,64 @@ def test_a_store_that_refuses_to_create_an_experiment_is_one_line_naming_why(tmp
     assert code == 1 and out == "" and "AttributeError" not in err
     assert ours.startswith("infersmith: cannot create the experiment infersmith-rmsnorm in the tracking store")
     assert ours.endswith("attempt to write a readonly database")
+
+
+def test_a_well_formed_server_command_passes_to_the_next_check(capsys):
+    """The command checks refuse only what the stage cannot fill in: here the model directory is next."""
+    code, _, err = run(capsys, "serve-bench", "--model-dir", "/absent", "--model", "tiny",
+                       "--baseline", "srv --port {port} --model {model_dir} --name {name} --copy {replica} '{{x}}'",
+                       "--candidate", "other --port={port}")
+    assert code == 2 and err.strip() == "infersmith: not a model directory (config.json and tokenizer.json): /absent"
+
+
+def test_a_file_that_is_not_text_is_one_line(capsys, tmp_path):
+    binary = tmp_path / "serving.yaml"
+    binary.write_bytes(b"\xff\xfe\x00traffic")
+    code, _, err = run(capsys, "serve-bench", "--model-dir", "/absent", "--model", "tiny", "--serving", str(binary))
+    assert code == 2 and err.strip() == f"infersmith: {binary}: not a text file (not UTF-8)"
+    binary.write_text('baseline: "srv {prot}"')
+    code, _, err = run(capsys, "serve-bench", "--model-dir", "/absent", "--model", "tiny", "--serving", str(binary))
+    assert code == 2 and err.strip().startswith(f"infersmith: {binary}: baseline: unknown placeholder {{prot}}")
+
+
+def test_shape_options_of_a_tiny_preset_fill_in_from_its_tiny_workload():
+    from flows.cli import _target, build_parser
+
+    for model in ("tiny", "tiny-moe"):
+        args = build_parser().parse_args(["optimize", "--op", "fused_moe", "--model", model, "--decode-batches", "2"])
+        w = _target(args).workload
+        assert (w.decode_batches, w.prefill_tokens, w.contexts) == ([2], [40], [48]), model
+    args = build_parser().parse_args(["optimize", "--op", "fused_moe", "--model", "qwen3-30b-a3b", "--contexts", "64"])
+    w = _target(args).workload
+    assert (w.decode_batches, w.prefill_tokens, w.contexts) == ([1, 8, 32, 128], [2048, 16384], [64])
+
+
+def test_every_gpu_class_of_a_pool_file_is_a_target_class():
+    from typing import get_args
+
+    from flows.target import GPUClass, Target
+    from gpu_pool.pool import GPUClassName
+
+    assert set(get_args(GPUClass)) == {"any"} | set(get_args(GPUClassName))
+    assert Target(gpu_class="a100").gpu_class == "a100"
+
+
+@pytest.mark.parametrize("argv", [["pool", "release"],
+                                  ["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate",
+                                   str(RMS / "honest_torch.py")]])
+def test_an_unreachable_prefect_server_is_one_line(argv, tmp_path):
+    import os
+    import socket
+
+    with socket.socket() as closed:  # bound, never listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+        env = os.environ | {"PREFECT_API_URL": url, "INFERSMITH_HOME": str(tmp_path)}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], env=env, capture_output=True, text=True,
+                              timeout=180)
+    # (evaluate opens the tracking store first, and MLflow logs its creation)
+    assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"infersmith: the Prefect server at {url} is unreachable: start it (`prefect server start`), "
+        "or unset PREFECT_API_URL to run on an ephemeral one"), done.stderr
