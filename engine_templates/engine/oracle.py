@@ -3,6 +3,7 @@ and log-probabilities with the engine's, and as the baseline the benchmark times
 engine module that imports transformers (an optional dependency: `pip install infersmith[oracle]`)."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -42,11 +43,14 @@ class HFOracle:
         from transformers import AutoModelForCausalLM
 
         # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
-        # Loaded on the host, then moved: transformers' device_map would load straight onto a GPU
-        # but needs accelerate, which the GPU hosts may lack (and this package does not require).
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype],
-                                                     attn_implementation=attention)
-        return cls(model.to(device))
+        # Straight onto a GPU (device_map) where accelerate is installed (the lent H200 has it): no
+        # host copy of the weights first, which for qwen3-30b-a3b (61 GB) beside its checkpoint in
+        # /dev/shm would nearly fill the host's memory. Without accelerate (not a dependency of this
+        # package) it loads on the host and then moves.
+        direct = device != "cpu" and importlib.util.find_spec("accelerate") is not None
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype], attn_implementation=attention,
+                                                     **({"device_map": device} if direct else {}))
+        return cls(model if direct else model.to(device))
 
     @classmethod
     def sharing(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
