@@ -22,6 +22,8 @@ def load_pool(path: Path | str | None) -> Pool:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise PoolFileError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise PoolFileError(f"{path}: not a text file (not UTF-8)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -59,6 +59,13 @@ def test_a_bad_pool_file_is_one_line_naming_the_field(tmp_path, text, message):
     assert message in str(e.value) and str(f) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_pool_file_that_is_not_text_is_one_line(tmp_path):
+    f = tmp_path / "pool.yaml"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(PoolFileError, match=r"pool.yaml: not a text file \(not UTF-8\)$"):
+        load_pool(f)
+
+
 def test_the_cli_reports_a_bad_pool_file_as_a_usage_error(tmp_path, capsys):
     from flows.cli import main
 
