@@ -27,7 +27,9 @@ WATCHED = [
     ("torch", "Tensor.data_ptr"), ("torch", "Tensor.untyped_storage"), ("torch", "Tensor.is_contiguous"),
     ("torch", "use_deterministic_algorithms"), ("torch", "utils.deterministic"), ("threading", "enumerate"),
     ("statistics", "median"), ("triton.testing", "do_bench"), ("os", "write"), ("os", "urandom"),
-    ("random", "_urandom"),
+    ("random", "_urandom"), ("builtins", "len"), ("builtins", "sorted"), ("builtins", "min"), ("builtins", "max"),
+    ("builtins", "sum"), ("builtins", "zip"), ("builtins", "range"), ("builtins", "int"), ("builtins", "float"),
+    ("builtins", "isinstance"), ("builtins", "getattr"),
 ]
 HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.stages", "harness.channel", "harness.device",
                    "harness.integrity", "harness.load", "harness.sandbox", "harness.verdict")

@@ -8,9 +8,8 @@ verdict marks them so.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
-from statistics import median
+from os import urandom as _urandom
 from time import perf_counter
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,22 @@ import torch
 # module or class (`statistics.median`, `torch.cuda.Event.elapsed_time`, `torch.cuda.synchronize`)
 # does not steer a figure, even if it puts the original back before the identity check
 # (harness/integrity.py) looks. The events are recorded on a stream named here, not on whatever
-# `torch.cuda.current_stream` returns when they are recorded.
+# `torch.cuda.current_stream` returns when they are recorded. The builtins this module calls are
+# bound as its own globals, which Python looks up before the builtins module: `print.__self__`
+# reaches that module without an import, and a `len` or `sorted` swapped there would otherwise
+# divide or order every figure. For the same reason the median is computed here, not by
+# `statistics.median`, which calls the builtins' `sorted`.
+len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all = (  # noqa: A001
+    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all)
+
+
+def median(values) -> float:
+    data = sorted(values)
+    if not data:
+        raise ValueError("no timings to take the median of")
+    mid = len(data) // 2
+    return data[mid] if len(data) % 2 else (data[mid - 1] + data[mid]) / 2
+
 _synchronize = torch.cuda.synchronize
 _Event = torch.cuda.Event
 _record, _elapsed = torch.cuda.Event.record, torch.cuda.Event.elapsed_time
@@ -51,7 +65,22 @@ class Method:
 # captured escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
 # 10% gain needs.
 GRAPH_CHECKS = 32
-_draw = random.SystemRandom().sample  # the operating system's entropy, bound before any candidate
+
+
+def _below(n: int) -> int:
+    """Uniform in [0, n), n < 2**31, from os.urandom (bound at import; random's classes are
+    looked up at call time, so a candidate could make their draws predictable)."""
+    bits = n.bit_length()
+    while True:
+        r = int.from_bytes(_urandom(4), "big") >> (32 - bits)
+        if r < n:
+            return r
+
+
+def _draw(population: range, k: int) -> list[int]:
+    """`k` distinct members of `population`, each pick uniform over those left."""
+    left = list(population)
+    return [left.pop(_below(len(left))) for _ in range(k)]
 
 # At most this many input sets a shape. Twice an H200's L2 (2 x 60 MiB) is covered down to calls
 # of ~60 KB (every decode shape from batch 8 up); below that the sets stay partly in L2, and each
@@ -97,6 +126,11 @@ class Timed:
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
 # stream) makes later captures unreliable, so every later graph timing here uses events.
 _graphs_off = ""
+
+
+def graphs_off() -> str:
+    """Why graph timing is off in this process ('' while it is on)."""
+    return _graphs_off
 
 
 def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method) -> Timed:

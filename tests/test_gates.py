@@ -77,6 +77,7 @@ def test_point_outside_the_space_fails_at_load():
     ("import torch\nx = 1\ngetattr(x, 'a' + 'b')\n", "dynamic_attribute", "flag"),
     ("from engine_templates.ops import get_op\n", "harness_access", "reject"),
     ("import sys\nsys.modules['gc']\n", "introspection", "reject"),
+    ("__builtins__['sorted'] = min\n", "introspection", "reject"),
 ])
 def test_screen_finds(source, rule, action):
     found = {(f.rule, f.action) for f in screen(source).findings}
@@ -224,7 +225,7 @@ def test_cached_ceilings_must_agree_with_a_quick_measurement():
     quick = {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 7.5e14}
     assert disagreement({"copy_bytes_per_s": 4.5e12, "matmul_flops_per_s": 6.8e14}, quick) == ""
     forged = disagreement({"copy_bytes_per_s": 4.2e20, "matmul_flops_per_s": 7.4e14}, quick)
-    assert forged == "the cached copy_bytes_per_s 4.2e+20 differed from a quick measurement (4.2e+12) by more than 15%"
+    assert forged == "the cached copy_bytes_per_s 4.2e+20 differed from one measured now (4.2e+12) by more than 15%"
     assert "matmul_flops_per_s" in disagreement({"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 1e14}, quick)
 
 
