@@ -65,6 +65,20 @@ def test_a_forged_ceilings_cache_is_measured_again_on_the_gpu(monkeypatch, tmp_p
     assert fp32["matmul_flops_per_s"] < honest["matmul_flops_per_s"] / 2 and "float32" in fp32["method"]
 
 
+def test_a_baseline_that_cannot_be_captured_leaves_every_contender_on_events():
+    """fused_moe's eager code at fp32 loops with a host sync once a call's (token, expert) pairs
+    outnumber the experts (prefill_40 of tiny-moe): its capture fails, which leaves the process
+    on events, so every baseline is timed again with events, as the candidate then is — never a
+    graph-timed baseline beside an events-timed candidate."""
+    template = next(iter(get_op("fused_moe").templates.values()))
+    verdict, _ = evaluate(Candidate(op="fused_moe", kind="template", template=template.name,
+                                    point=template.default), Target(model="tiny-moe", dtype="fp32"))
+    assert verdict.status == "pass" and len(verdict.timings) == 3, verdict.to_json()
+    for t in verdict.timings:
+        assert t.method.startswith("events") and "eager: graph" not in t.method, t.method
+        assert "compile: graph" not in t.method, t.method
+
+
 def test_an_uncapturable_function_is_timed_with_events_and_graphs_stay_off_after():
     """CUDA-graph timing: what it computed comes back for the judge; a host sync during capture
     falls back to events with the reason, and later graph timings of the process use events."""
