@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine_templates.ops.base import DTYPES
+
 CACHE_DIR = Path(os.environ.get("INFERSMITH_CACHE", Path.home() / ".cache" / "infersmith"))
 
 # A cached figure is used only while a quick measurement taken now agrees with it within this
@@ -24,7 +26,6 @@ CACHE_DIR = Path(os.environ.get("INFERSMITH_CACHE", Path.home() / ".cache" / "in
 # about 1.3% (docs/BENCHMARKS.md, tenth session).
 AGREE = 0.15
 KEYS = ("copy_bytes_per_s", "matmul_flops_per_s")
-_MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _cache_path(info: dict, dtype: str) -> Path:
@@ -89,7 +90,7 @@ def measure(device: str, dtype: str = "bf16", quick: bool = False) -> dict:
     """Measured now, not cached: for a caller that reports it beside figures of the same run.
     `quick`: a few repetitions only, to check a cached figure."""
     if device == "cuda":
-        return _measure_cuda(_MATMUL_DTYPES[dtype], copy_reps=3 if quick else 20, mm_reps=3 if quick else 10)
+        return _measure_cuda(DTYPES[dtype], copy_reps=3 if quick else 20, mm_reps=3 if quick else 10)
     return _measure_cpu(reps=3 if quick else 5)
 
 
