@@ -36,7 +36,7 @@ def test_gpu_fault_in_names_a_marker_of_a_crash_only():
 
 def stage(slot: Slot):
     job = jobs_for(Candidate("rmsnorm", "free", source=CRY_WOLF), Target(model="tiny", dtype="fp32"), slot)["compile"]
-    return run_stage(job, slot, 8)
+    return run_stage(job, slot, 20)  # a limit a loaded machine starts the stage well within
 
 
 def test_a_candidate_printing_a_gpu_error_and_crashing_on_a_cpu_slot_is_its_own_crash():
