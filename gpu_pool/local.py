@@ -45,7 +45,7 @@ class LocalExecutor:
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         scratch = Path(tempfile.mkdtemp(prefix=f"infersmith-{job.candidate.id}-{job.stage}-",
                                         dir=self.scratch_root))
-        (scratch / "job.json").write_text(job.to_json())
+        (scratch / "job.json").write_text(job.limited(timeout_s).to_json())
         env = dict(os.environ, PYTHONPATH=str(self.worker_root), PYTHONUNBUFFERED="1")
         if slot.gpu is None:
             env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")

@@ -152,7 +152,7 @@ class SSHExecutor:
             scratch = f"{workdir}/runs/{job.candidate.id}-{job.stage}-{uuid.uuid4().hex[:8]}"
             run_command(client, host, f"mkdir -p {shlex.quote(scratch)}")
             with client.open_sftp() as sftp:
-                sftp.putfo(io.BytesIO(job.to_json().encode()), f"{scratch}/job.json")
+                sftp.putfo(io.BytesIO(job.limited(timeout_s).to_json().encode()), f"{scratch}/job.json")
             t0 = time.monotonic()
             rc = self._run_harness(client, slot, scratch, bundle_dir, timeout_s)
             held = time.monotonic() - t0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 STAGES = ("compile", "check", "bench")
@@ -99,9 +99,16 @@ class Job:
     odd_shapes: list[Shape]  # checked only
     rules: Rules = field(default_factory=Rules)
     device: str = "auto"  # "auto", "cuda" or "cpu"
+    # The controller's time limit for this stage, set by the executor that runs it. The harness
+    # stops the candidate a little before it and writes a verdict with what it measured; the
+    # controller's kill at the limit itself is the backstop, and loses that.
+    limit_s: float | None = None
 
     def __post_init__(self) -> None:
         assert self.stage in STAGES, f"stage must be one of {STAGES}"
+
+    def limited(self, limit_s: float) -> Job:
+        return replace(self, limit_s=limit_s)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -117,4 +124,5 @@ class Job:
             odd_shapes=[Shape(**s) for s in d["odd_shapes"]],
             rules=Rules(**d["rules"]),
             device=d["device"],
+            limit_s=d.get("limit_s"),
         )

@@ -28,6 +28,7 @@ class Judge:
         self._go: Callable[[], None] = lambda: None  # read() sets the real one
         self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
+        self.judged_by_shape: dict[str, int] = {}  # bench outputs judged, probes and graphs, per shape
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
@@ -125,6 +126,8 @@ class Judge:
         graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
         result = judge(self.op, outs, args, self.job.rules.rtol)
         self.judged += 1
+        if parts[0] == "bench":
+            self.judged_by_shape[spec["shape"]] = self.judged_by_shape.get(spec["shape"], 0) + 1
         self.graph_judged += graph
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
@@ -144,9 +147,15 @@ class Judge:
         self.v.crash("memory", f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
                                f"{self.job.rules.memory_mb} MiB limit, and was killed")
 
-    def finish(self, returncode: int | None) -> None:
+    def finish(self, returncode: int | None, deadline=None) -> None:
         v = self.v
         if v.status != PASS:
+            return
+        if not self.done and deadline is not None and deadline.expired_after is not None:
+            v.crash("time_limit", f"{self.job.stage} stage ran past its {deadline.limit_s:g} s limit: the harness "
+                                  f"killed the candidate's process after {deadline.expired_after:.0f} s, keeping "
+                                  f"{deadline.limit_s - deadline.expired_after:.0f} s to write this verdict; "
+                                  f"{self._progress()}")
             return
         if not self.done:
             how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
@@ -164,13 +173,37 @@ class Judge:
             if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
-            probes = sum(2 * len({0, len(s["sets"]) - 1}) for s in self.plan["shapes"])
+            probes = sum(_probes(s) for s in self.plan["shapes"])
             graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
                                           f"{self.graph_judged} of {graph_outputs} timed-graph outputs reported")
                 return
             speed_of_light(self.job, v)
+
+    def _progress(self) -> str:
+        """What the stage had done when it was stopped, in the verdict's words."""
+        if self.job.stage == "check":
+            return f"{self.judged} of {len(self.plan['calls'])} planned calls judged, all within tolerance"
+        if self.job.stage == "bench":
+            # A shape's timing is kept only once everything its timed graphs computed and its
+            # probes returned was judged: the timing frame comes before those outputs.
+            plan = {s["shape"]: s for s in self.plan["shapes"]}
+            judged = [t for t in self.v.timings if self.judged_by_shape.get(t.label, 0)
+                      == self.graph_outputs.get(t.label, 0) + _probes(plan[t.label])]
+            unjudged = [t.label for t in self.v.timings if t not in judged]
+            self.v.timings = judged
+            left = [label for label in plan if label not in {t.label for t in judged} | set(unjudged)]
+            return "; ".join([f"{len(judged)} of {len(plan)} shapes timed and judged (kept below)"]
+                             + ([f"timed but not yet judged (dropped): {', '.join(unjudged)}"] if unjudged else [])
+                             + ([f"not timed: {', '.join(left)}"] if left else []))
+        return "the candidate had not finished loading and compiling"
+
+
+def _probes(spec: dict) -> int:
+    """Outputs the probes of one planned shape return: a timed and a refilled call on its first
+    and its last input set."""
+    return 2 * len({0, len(spec["sets"]) - 1})
 
 
 def speed_of_light(job: Job, v: Verdict) -> None:

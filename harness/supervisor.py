@@ -17,6 +17,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,14 +51,16 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     # candidate's. The sandbox starts now and imports torch while this process does the same
     # (each takes seconds); it gets its job and plan only once the judge has made the plan.
     sys.dont_write_bytecode = True
-    sandbox = Sandbox(job, scratch) if job.device != "auto" else None
+    deadline = Deadline(job.limit_s, t0)
+    sandbox = Sandbox(job, scratch, deadline=deadline) if job.device != "auto" else None
     try:
         from harness.judging import Judge
 
         judge = Judge(job, v)
-        sandbox = sandbox or Sandbox(job, scratch, judge.device)
+        sandbox = sandbox or Sandbox(job, scratch, judge.device, deadline)
         returncode = sandbox.run(judge)
     finally:
+        deadline.cancel()
         if sandbox:
             sandbox.end()
     changes = tree_changes(before, tree_digest(trees))
@@ -65,7 +68,7 @@ def supervise(job: Job, scratch: Path) -> Verdict:
         _remove_planted(changes)
         v.gate("harness_integrity", False, f"the harness's files changed while the candidate ran: "
                                            f"{'; '.join(changes[:5])}")
-    judge.finish(returncode)
+    judge.finish(returncode, deadline)
     v.wall_s = time.perf_counter() - t0
     return v
 
@@ -92,11 +95,56 @@ def _sandbox_env(scratch: Path) -> dict[str, str]:
     return env
 
 
+def reserve_s(limit_s: float) -> float:
+    """How long before the controller's limit the harness stops the candidate: time to kill
+    the sandbox, check the trees and write the verdict, and for this process's own start."""
+    return max(2.0, min(10.0, 0.1 * limit_s))
+
+
+class Deadline:
+    """The stage's limit as the harness keeps it: `reserve_s` inside the controller's, so that a
+    candidate that runs too long is killed here and the verdict keeps what was judged and timed
+    before (the controller's kill writes none). No limit when the job has none."""
+
+    def __init__(self, limit_s: float | None, t0: float):
+        self.limit_s, self.t0 = limit_s, t0
+        self.expired_after: float | None = None  # seconds from t0, once the limit struck
+        self._pid: int | None = None
+        self._over = False
+        self._lock = threading.Lock()
+        self._timer = None
+        if limit_s is not None:
+            self._timer = threading.Timer(max(0.0, limit_s - reserve_s(limit_s) - (time.perf_counter() - t0)),
+                                          self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def watch(self, pid: int) -> None:
+        with self._lock:
+            self._pid = pid
+            if self.expired_after is not None:
+                _kill(pid)
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self.expired_after = time.perf_counter() - self.t0
+            if self._pid is not None:
+                _kill(self._pid)  # not reaped before cancel(): the pid is still the sandbox's
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._over = True
+        if self._timer:
+            self._timer.cancel()
+
+
 class Sandbox:
     """The candidate's process: started with its limits, then given its job and plan on a
     second line of stdin (the sandbox imports torch in between), then read to the end."""
 
-    def __init__(self, job: Job, scratch: Path, device: str | None = None):
+    def __init__(self, job: Job, scratch: Path, device: str | None = None, deadline: Deadline | None = None):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
         self.job, self.device = job, device or job.device
@@ -106,6 +154,8 @@ class Sandbox:
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
                                      env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
         os.close(w)
+        self.deadline = deadline or Deadline(None, 0.0)
+        self.deadline.watch(self.proc.pid)
         self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: _kill(self.proc.pid))
         self._write({"device": self.device, "memory_mb": job.rules.memory_mb})
         self.ended = False
@@ -136,6 +186,7 @@ class Sandbox:
         if self.ended:
             return
         self.ended = True
+        self.deadline.cancel()
         _kill(self.proc.pid)
         self.proc.wait()
         try:

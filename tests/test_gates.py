@@ -246,3 +246,36 @@ def test_compiled_baseline_has_room_for_every_shape(monkeypatch):
         torch.testing.assert_close(compiled(gate, up), OP.eager(gate, up))
     assert counters["stats"]["unique_graphs"] == 12
     torch._dynamo.reset()
+
+
+# Spins on the 40-row shape (tiny's prefill_40); honest on the others.
+HANGS_AT_PREFILL = '''import torch
+
+
+def rmsnorm(x, weight, eps):
+    while x.shape[0] == 40:
+        pass
+    v = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(v + eps)).to(x.dtype) * weight
+'''
+
+
+@pytest.mark.parametrize("stage, kept", [
+    ("check", "6 of 15 planned calls judged, all within tolerance"),
+    ("bench", "2 of 3 shapes timed and judged (kept below); not timed: prefill_40"),
+])
+def test_a_stage_stopped_at_its_limit_keeps_what_it_measured(stage, kept):
+    """The harness stops the candidate a little inside the controller's limit and writes the
+    verdict itself, so what was judged and timed before survives (the controller's kill writes
+    none). Honest, each of these stages takes about 3 s here."""
+    from flows.pipeline import jobs_for
+
+    slot = local_pool().slots()[0]
+    job = jobs_for(Candidate("rmsnorm", "free", source=HANGS_AT_PREFILL), Target(model="tiny", dtype="fp32"), slot)
+    verdict = LocalExecutor().run(job[stage], slot, 20).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("crash", "time_limit"), verdict.to_json()
+    assert verdict.failing_gate.detail.startswith(f"{stage} stage ran past its 20 s limit: the harness killed")
+    assert verdict.failing_gate.detail.endswith(kept)
+    if stage == "bench":
+        assert [t.label for t in verdict.timings] == ["decode_b1", "decode_b4"]
+        assert all(t.candidate_us > 0 for t in verdict.timings) and verdict.score() is None
