@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from engine_templates.models import ModelDims
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
