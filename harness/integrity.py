@@ -30,6 +30,11 @@ WATCHED = [
     ("random", "_urandom"), ("builtins", "len"), ("builtins", "sorted"), ("builtins", "min"), ("builtins", "max"),
     ("builtins", "sum"), ("builtins", "zip"), ("builtins", "range"), ("builtins", "int"), ("builtins", "float"),
     ("builtins", "isinstance"), ("builtins", "getattr"),
+    # What torch's own timing functions look up when called (torch.cuda.current_stream,
+    # synchronize, CUDAGraph): a swap there would move the events to another stream. Absent from
+    # a CPU build's torch._C, and skipped there.
+    ("torch", "_C._cuda_synchronize"), ("torch", "_C._cuda_getCurrentStream"), ("torch", "cuda._lazy_init"),
+    ("torch", "cuda.device"), ("torch", "cuda._get_device_index"), ("torch", "cuda.graphs.CUDAGraph"),
 ]
 HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.stages", "harness.channel", "harness.device",
                    "harness.integrity", "harness.load", "harness.sandbox", "harness.verdict")

@@ -36,7 +36,9 @@ def median(values) -> float:
     mid = len(data) // 2
     return data[mid] if len(data) % 2 else (data[mid - 1] + data[mid]) / 2
 
-_synchronize = torch.cuda.synchronize
+# torch.cuda.synchronize looks up torch._C._cuda_synchronize (and the device context) when
+# called; the C function itself is bound here. A CPU build has none, and never synchronizes.
+_synchronize = getattr(torch._C, "_cuda_synchronize", torch.cuda.synchronize)
 _Event = torch.cuda.Event
 _record, _elapsed = torch.cuda.Event.record, torch.cuda.Event.elapsed_time
 _wait_event = torch.cuda.Event.synchronize

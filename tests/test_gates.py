@@ -279,3 +279,17 @@ def test_a_stage_stopped_at_its_limit_keeps_what_it_measured(stage, kept):
     if stage == "bench":
         assert [t.label for t in verdict.timings] == ["decode_b1", "decode_b4"]
         assert all(t.candidate_us > 0 for t in verdict.timings) and verdict.score() is None
+
+
+def test_what_torchs_timing_functions_look_up_when_called_is_watched(monkeypatch):
+    """torch.cuda.current_stream and synchronize look these up at call time: a swap would move
+    the harness's events to another stream, so the identity check names it."""
+    from harness import integrity, timing
+
+    before = integrity.Identities()
+    assert before.changed() == []
+    monkeypatch.setattr(torch.cuda, "_get_device_index", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "device", object)
+    assert before.changed() == ["torch.cuda.device", "torch.cuda._get_device_index"]
+    if hasattr(torch._C, "_cuda_synchronize"):  # a CUDA build: bound as torch's C function itself
+        assert timing._synchronize is torch._C._cuda_synchronize
