@@ -130,8 +130,9 @@ class Deadline:
             if self._over:
                 return
             self.expired_after = time.perf_counter() - self.t0
-            if self._pid is not None:
-                _kill(self._pid)  # not reaped before cancel(): the pid is still the sandbox's
+            if self._pid is not None:  # not reaped before cancel(): the pids are still theirs
+                _kill(self._pid)
+                _kill_tree()
 
     def cancel(self) -> None:
         with self._lock:
@@ -204,18 +205,37 @@ def _kill(pid: int) -> None:
         pass  # already gone
 
 
+def _parents() -> dict[int, int]:
+    """Every process's parent, from /proc."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+    return out
+
+
+def _kill_tree() -> None:
+    """Kill, without reaping, every process below this one: the sandbox and what it started
+    (still its children, or re-parented to us). Unreaped, none of their pids can be reused
+    before `_kill_descendants` waits for them. Their deaths close every copy of the report
+    channel's write end, so that the judge's read ends."""
+    parents, below, me = _parents(), set(), os.getpid()
+    grew = True
+    while grew:
+        found = {pid for pid, parent in parents.items() if (parent == me or parent in below) and pid not in below}
+        below |= found
+        grew = bool(found)
+    for pid in below:
+        _kill(pid)
+
+
 def _kill_descendants() -> None:
     """Everything the sandbox left behind (re-parented to us as the subreaper)."""
     me = os.getpid()
     for _ in range(3):
-        children = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue  # exited while we looked
-            if int(fields[1]) == me:
-                children.append(int(stat.parent.name))
+        children = [pid for pid, parent in _parents().items() if parent == me]
         for pid in children:
             _kill(pid)
             try:

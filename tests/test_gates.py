@@ -293,3 +293,31 @@ def test_what_torchs_timing_functions_look_up_when_called_is_watched(monkeypatch
     assert before.changed() == ["torch.cuda.device", "torch.cuda._get_device_index"]
     if hasattr(torch._C, "_cuda_synchronize"):  # a CUDA build: bound as torch's C function itself
         assert timing._synchronize is torch._C._cuda_synchronize
+
+
+def test_the_deadline_kills_what_the_sandbox_started_too():
+    """Past the stage's limit the supervisor kills the sandbox and everything below it (a
+    compile worker, say, that holds a copy of the report channel), without reaping; in a process
+    of its own here, since it kills every process below the one that calls it."""
+    import subprocess
+    import sys
+
+    script = ("import os, subprocess, time\n"
+              "from harness import supervisor\n"
+              "p = subprocess.Popen(['sh', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True)\n"
+              "grandchild = int(p.stdout.readline())\n"
+              "supervisor._kill_tree()\n"
+              "assert p.wait(timeout=10) == -9, p.returncode\n"
+              "for _ in range(100):\n"
+              "    try:\n"
+              "        state = open(f'/proc/{grandchild}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+              "    except FileNotFoundError:\n"
+              "        break\n"
+              "    if state == 'Z':\n"
+              "        break\n"
+              "    time.sleep(0.1)\n"
+              "else:\n"
+              "    raise SystemExit(f'the grandchild {grandchild} still runs')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
