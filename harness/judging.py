@@ -29,6 +29,7 @@ class Judge:
         self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, int] = {}  # bench outputs judged, probes and graphs, per shape
+        self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
@@ -75,6 +76,8 @@ class Judge:
         elif kind == "gate":
             name, passed, detail = str(header["name"]), bool(header["passed"]), str(header.get("detail", ""))
             self.v.crash(name, detail) if header.get("crash") else self.v.gate(name, passed, detail)
+        elif kind == "compiling" and self.job.stage == "compile":
+            self.compiling.append(str(header.get("shape")))
         elif kind == "outputs":
             self._judge(str(header.get("item")), tensors)
         elif kind == "settle" and self.job.stage == "bench":
@@ -197,7 +200,11 @@ class Judge:
             return "; ".join([f"{len(judged)} of {len(plan)} shapes timed and judged (kept below)"]
                              + ([f"timed but not yet judged (dropped): {', '.join(unjudged)}"] if unjudged else [])
                              + ([f"not timed: {', '.join(left)}"] if left else []))
-        return "the candidate had not finished loading and compiling"
+        if not self.compiling:
+            return "the candidate had not finished loading (importing it ran past the limit)"
+        total = len(self.job.shapes) + len(self.job.odd_shapes)
+        return (f"its first call on shape {self.compiling[-1]} had not returned "
+                f"({len(self.compiling) - 1} of {total} shapes compiled before it)")
 
 
 def _probes(spec: dict) -> int:

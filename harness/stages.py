@@ -55,6 +55,7 @@ def compile_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
     dtype = DTYPES[job.rules.dtype]
     t = time.perf_counter()
     for shape in [*job.shapes, *job.odd_shapes]:
+        send("compiling", shape=shape.label)  # what a stage stopped at its limit was doing
         args = op.inputs(shape, dtype, dev, generator(dev, 0), "normal")
         try:
             result = run_call(op, fn, args, dtype, dev)

@@ -261,6 +261,7 @@ def rmsnorm(x, weight, eps):
 
 
 @pytest.mark.parametrize("stage, kept", [
+    ("compile", "its first call on shape prefill_40 had not returned (2 of 5 shapes compiled before it)"),
     ("check", "6 of 15 planned calls judged, all within tolerance"),
     ("bench", "2 of 3 shapes timed and judged (kept below); not timed: prefill_40"),
 ])
@@ -321,3 +322,13 @@ def test_the_deadline_kills_what_the_sandbox_started_too():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_candidate_whose_import_runs_past_the_limit_is_named_so():
+    from flows.pipeline import jobs_for
+
+    slot = local_pool().slots()[0]
+    job = jobs_for(Candidate("rmsnorm", "free", source="while True:\n    pass\n"), Target(model="tiny", dtype="fp32"), slot)
+    verdict = LocalExecutor().run(job["compile"], slot, 10).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("crash", "time_limit"), verdict.to_json()
+    assert verdict.failing_gate.detail.endswith("the candidate had not finished loading (importing it ran past the limit)")
