@@ -20,6 +20,10 @@ class ProtocolError(Exception):
     """The sandbox sent something that is not a well-formed frame."""
 
 
+class CutOff(ProtocolError):
+    """The stream ended inside a frame: the writer died (or was killed) while sending it."""
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
@@ -49,7 +53,9 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
     if not line:
         return None
     if not line.endswith(b"\n"):
-        raise ProtocolError("header line too long or cut off")
+        if len(line) < MAX_HEADER:
+            raise CutOff("header line cut off")
+        raise ProtocolError("header line too long")
     try:
         header = json.loads(line)
         metas, sizes = header["tensors"], header["nbytes"]
@@ -62,7 +68,7 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
     for meta, size in zip(metas, sizes):
         data = stream.read(size)
         if len(data) != size:
-            raise ProtocolError("stream ended inside a payload")
+            raise CutOff("stream ended inside a payload")
         dtype, shape = _dtype(meta["dtype"]), [int(n) for n in meta["shape"]]
         t = torch.frombuffer(bytearray(data), dtype=dtype) if size else torch.empty(0, dtype=dtype)
         try:

@@ -10,7 +10,7 @@ import torch
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
 from harness import ceilings, device as devices, timing
-from harness.channel import ProtocolError, read_frame
+from harness.channel import CutOff, ProtocolError, read_frame
 from harness.checks import judge
 from harness.job import Job
 from harness.stages import shapes_by_label
@@ -51,14 +51,19 @@ class Judge:
         return {"shapes": items}
 
     # -- reading --------------------------------------------------------------
-    def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], None] = lambda: None) -> None:
+    def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], None] = lambda: None,
+             killed: Callable[[], bool] = lambda: False) -> None:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
-        answers a `settle` frame: the sandbox waits for it before it times a shape."""
+        answers a `settle` frame: the sandbox waits for it before it times a shape. `killed`
+        says whether the harness killed the sandbox at the stage's limit: then a frame cut short
+        is the kill's doing, the end of the report and not a fault in it."""
         self._go = go
         while self.v.status == PASS and not self.done:
             try:
                 frame = read_frame(stream, self.max_payload)
             except ProtocolError as e:
+                if isinstance(e, CutOff) and killed():
+                    return
                 self.v.gate("protocol", False, f"the sandbox's report is not well-formed ({e}): "
                                                "something in its process wrote to the harness's channel")
                 break

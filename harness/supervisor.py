@@ -10,10 +10,12 @@ is written only here, after the sandbox and everything it started are dead.
 from __future__ import annotations
 
 import ctypes
+import io
 import itertools
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -140,6 +142,38 @@ class Deadline:
         if self._timer:
             self._timer.cancel()
 
+    def reading_over(self) -> bool:
+        """Once the limit struck: whether the report has been read for a quarter of the reserve since.
+        What is not in by then is not judged, so that a process the kill missed (one forked
+        while `_kill_tree` looked, as a chain of forks always is), still holding the channel,
+        cannot keep the judge reading into the controller's kill."""
+        return (self.expired_after is not None
+                and time.perf_counter() - self.t0 >= self.limit_s - 3 * reserve_s(self.limit_s) / 4)
+
+
+class _Report(io.RawIOBase):
+    """The report channel's read end: read as it comes, and at its end once `deadline` says
+    that reading is over, whatever still holds a write end."""
+
+    def __init__(self, fd: int, deadline: Deadline):
+        self.fd, self.deadline = fd, deadline
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.deadline.reading_over():
+            if self._poll.poll(100):  # data, or the end: no write end left
+                return os.readv(self.fd, [buffer])
+        return 0
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
 
 class Sandbox:
     """The candidate's process: started with its limits, then given its job and plan on a
@@ -176,8 +210,9 @@ class Sandbox:
         self._write({"job": self.job.to_json(), "plan": judge.plan,
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
-        with os.fdopen(self.read_fd, "rb") as stream:
-            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=lambda: self._write_raw(b"go\n"))
+        with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
+            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=lambda: self._write_raw(b"go\n"),
+                       killed=lambda: self.deadline.expired_after is not None)
         self.end()
         if self.watchdog.tripped:
             judge.memory_exceeded(self.watchdog.tripped)

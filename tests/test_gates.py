@@ -332,3 +332,59 @@ def test_a_candidate_whose_import_runs_past_the_limit_is_named_so():
     verdict = LocalExecutor().run(job["compile"], slot, 10).verdict
     assert (verdict.status, verdict.failing_gate.name) == ("crash", "time_limit"), verdict.to_json()
     assert verdict.failing_gate.detail.endswith("the candidate had not finished loading (importing it ran past the limit)")
+
+
+# Forks on its first call, each parent exiting at once: the process alive is always one that no
+# look at /proc has listed yet, and every one holds the report channel's write end.
+FORKS_A_CHAIN = '''import os
+
+_fork, _leave = getattr(os, "fo" + "rk"), getattr(os, "_ex" + "it")
+
+
+def rmsnorm(x, weight, eps):
+    while True:
+        if _fork() != 0:
+            _leave(0)
+'''
+
+
+def test_a_chain_of_forks_that_escapes_the_kill_still_gets_the_harness_verdict():
+    """The kill at the deadline misses a chain of forks (a copy is always one forked after the
+    look), which keeps the report channel open: the judge stops reading a little after the
+    deadline all the same, and the verdict is the harness's, not the controller's."""
+    from flows.pipeline import jobs_for
+
+    slot = local_pool().slots()[0]
+    job = jobs_for(Candidate("rmsnorm", "free", source=FORKS_A_CHAIN), Target(model="tiny", dtype="fp32"), slot)
+    verdict = LocalExecutor().run(job["compile"], slot, 15).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("crash", "time_limit"), verdict.to_json()
+    assert verdict.failing_gate.detail.startswith("compile stage ran past its 15 s limit: the harness killed")
+
+
+def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the_candidate():
+    """Killed at the limit, the sandbox may be inside a frame (blocked writing a large output while
+    the judge judges the one before): that frame's end never comes. Unless the harness killed it,
+    a frame cut short is still a protocol failure."""
+    import io
+    from types import SimpleNamespace
+
+    from flows.pipeline import jobs_for
+    from harness.judging import Judge
+
+    slot = local_pool().slots()[0]
+    job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"), slot)["check"]
+    cut = (b'{"kind": "isolation", "tensors": [], "nbytes": [], "detail": "none"}\n'
+           b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "nbytes": [16], "item": "check/0"}\n'
+           + bytes(7))
+    for killed in (False, True):
+        v = Verdict("rmsnorm", "c")
+        judge = Judge(job, v)
+        judge.read(io.BytesIO(cut), stop=lambda: None, killed=lambda: killed)
+        judge.finish(-9, SimpleNamespace(limit_s=20.0, expired_after=17.5 if killed else None))
+        gate = v.failing_gate
+        if killed:
+            assert (v.status, gate.name) == ("crash", "time_limit"), v.to_json()
+            assert gate.detail.endswith("0 of 15 planned calls judged, all within tolerance")
+        else:
+            assert (v.status, gate.name) == ("fail", "protocol") and "stream ended inside a payload" in gate.detail
+
