@@ -28,7 +28,8 @@ class Judge:
         self._go: Callable[[], None] = lambda: None  # read() sets the real one
         self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
-        self.judged_by_shape: dict[str, int] = {}  # bench outputs judged, probes and graphs, per shape
+        self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
+        self.items: set[str] = set()  # every output item judged: the sandbox sends each once
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
@@ -82,7 +83,14 @@ class Judge:
             name, passed, detail = str(header["name"]), bool(header["passed"]), str(header.get("detail", ""))
             self.v.crash(name, detail) if header.get("crash") else self.v.gate(name, passed, detail)
         elif kind == "compiling" and self.job.stage == "compile":
-            self.compiling.append(str(header.get("shape")))
+            # The sandbox announces every shape once, in the job's order: anything else was
+            # written by the candidate, and would name what a stopped stage was doing.
+            order = [s.label for s in [*self.job.shapes, *self.job.odd_shapes]]
+            if order[len(self.compiling):len(self.compiling) + 1] != [header.get("shape")]:
+                self.v.gate("protocol", False, f"a compiling frame for {str(header.get('shape'))[:80]!r} after "
+                                               f"{len(self.compiling)} of the {len(order)} shapes, out of their order")
+                return
+            self.compiling.append(header["shape"])
         elif kind == "outputs":
             self._judge(str(header.get("item")), tensors)
         elif kind == "settle" and self.job.stage == "bench":
@@ -95,6 +103,15 @@ class Judge:
                 torch.cuda.synchronize()
             self._go()
         elif kind == "timing" and self.job.stage == "bench" and header.get("label") in self.roofline:
+            # One per shape, announcing how many outputs of its timed graphs follow. A second one,
+            # or a negative count, was written by the candidate: a stage stopped at its limit
+            # would keep it as a timing whose outputs were all judged.
+            graph_outputs = int(header.get("graph_outputs", 0))
+            if header["label"] in self.graph_outputs or graph_outputs < 0:
+                self.v.gate("protocol", False, f"a timing frame for {header['label']} announcing {graph_outputs} "
+                                               "timed-graph outputs: the sandbox sends one per shape, the count "
+                                               "at least 0")
+                return
             roof, nbytes, flops = self.roofline[header["label"]]
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
                                              "compile_us", "method")}
@@ -102,7 +119,7 @@ class Judge:
             cover = int(header.get("sets", 0)) * nbytes / l2 if l2 else 0.0
             self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops,
                                               l2_cover=cover))
-            self.graph_outputs[header["label"]] = int(header.get("graph_outputs", 0))
+            self.graph_outputs[header["label"]] = graph_outputs
         else:
             self.v.gate("protocol", False, f"unexpected frame {kind!r} in the {self.job.stage} stage")
 
@@ -113,12 +130,12 @@ class Judge:
     def _judge(self, item: str, outs: list[torch.Tensor]) -> None:
         parts = item.split("/")
         try:
-            if parts[0] == "check":
-                call = self.plan["calls"][int(parts[1])]
+            if parts[0] == "check" and len(parts) == 2:
+                call = self.plan["calls"][_index(parts[1])]
                 args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
                 where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
-            elif parts[0] == "bench":
-                spec, phase, j = self.plan["shapes"][int(parts[1])], parts[2], int(parts[3])
+            elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", "graph", "graph-repeat"):
+                spec, phase, j = self.plan["shapes"][_index(parts[1])], parts[2], _index(parts[3])
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
@@ -131,11 +148,15 @@ class Judge:
         except (ValueError, IndexError, KeyError):
             self.v.gate("protocol", False, f"outputs for {item!r}, which the plan never asked for")
             return
+        if item in self.items:
+            self.v.gate("protocol", False, f"outputs for {item!r} a second time")
+            return
+        self.items.add(item)
         graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
         result = judge(self.op, outs, args, self.job.rules.rtol)
         self.judged += 1
         if parts[0] == "bench":
-            self.judged_by_shape[spec["shape"]] = self.judged_by_shape.get(spec["shape"], 0) + 1
+            self.judged_by_shape.setdefault(spec["shape"], set()).add(f"{phase}/{j}")
         self.graph_judged += graph
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
@@ -197,8 +218,14 @@ class Judge:
             # A shape's timing is kept only once everything its timed graphs computed and its
             # probes returned was judged: the timing frame comes before those outputs.
             plan = {s["shape"]: s for s in self.plan["shapes"]}
-            judged = [t for t in self.v.timings if self.judged_by_shape.get(t.label, 0)
-                      == self.graph_outputs.get(t.label, 0) + _probes(plan[t.label])]
+
+            def all_judged(label: str) -> bool:
+                items, last = self.judged_by_shape.get(label, set()), len(plan[label]["sets"]) - 1
+                probes = {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, last)}
+                graphs = [i for i in items if i.startswith("graph")]
+                return probes <= items and len(graphs) == self.graph_outputs.get(label, 0)
+
+            judged = [t for t in self.v.timings if all_judged(t.label)]
             unjudged = [t.label for t in self.v.timings if t not in judged]
             self.v.timings = judged
             left = [label for label in plan if label not in {t.label for t in judged} | set(unjudged)]
@@ -210,6 +237,14 @@ class Judge:
         total = len(self.job.shapes) + len(self.job.odd_shapes)
         return (f"its first call on shape {self.compiling[-1]} had not returned "
                 f"({len(self.compiling) - 1} of {total} shapes compiled before it)")
+
+
+def _index(text: str) -> int:
+    """An index as the sandbox writes it: each output has one name (no -1 for the last, no 01)."""
+    n = int(text)
+    if n < 0 or str(n) != text:
+        raise ValueError(text)
+    return n
 
 
 def _probes(spec: dict) -> int:

@@ -388,3 +388,59 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
         else:
             assert (v.status, gate.name) == ("fail", "protocol") and "stream ended inside a payload" in gate.detail
 
+
+def _frame(kind: str, tensors=(), **fields) -> bytes:
+    """A frame as harness.channel.Sender writes it."""
+    import json
+
+    meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
+    blobs = [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
+    header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [len(b) for b in blobs], **fields})
+    return header.encode() + b"\n" + b"".join(blobs)
+
+
+@pytest.mark.parametrize("forged", ["negative count", "second timing", "output twice", "compiling out of order"])
+def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stopped_stage(forged):
+    """The candidate's process can write to the report channel. A stage stopped at its limit keeps
+    the timings whose outputs were all judged, and names the shape it was compiling: frames the
+    sandbox never sends (a timing announcing a negative number of outputs, a second timing for a
+    shape, an output sent twice, a compiling frame out of the job's order) must not feed those."""
+    import io
+    from types import SimpleNamespace
+
+    from engine_templates.ops import get_op
+    from engine_templates.ops.base import generator
+    from flows.pipeline import jobs_for
+    from harness.judging import Judge
+
+    slot = local_pool().slots()[0]
+    jobs = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"), slot)
+    job = jobs["compile" if forged == "compiling out of order" else "bench"]
+    v = Verdict("rmsnorm", "c")
+    judge = Judge(job, v)
+    if forged == "compiling out of order":
+        stream = _frame("compiling", shape="decode_b1") + _frame("compiling", shape="GPU is lost")
+    else:
+        op, spec = get_op("rmsnorm"), judge.plan["shapes"][0]
+        fields = dict(label="decode_b1", dims={}, candidate_us=1.0, candidate_us_repeat=1.0, eager_us=50.0,
+                      compile_us=None, method="wall", sets=2)
+
+        def probe(phase: str, j: int) -> bytes:
+            args = op.inputs(judge.shapes["decode_b1"], torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
+            if phase == "refill":
+                fresh = op.inputs(judge.shapes["decode_b1"], torch.float32, "cpu",
+                                  generator("cpu", spec["refill"][j]), "normal")
+                args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
+                             for i, a in enumerate(args))
+            return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")
+
+        timed_0 = probe("timed", 0)
+        probes = {"negative count": b"", "second timing": timed_0 + probe("timed", 1),
+                  "output twice": timed_0 * 4}[forged]
+        timings = _frame("timing", graph_outputs=-2 if forged == "negative count" else 0, **fields)
+        if forged == "second timing":
+            timings += _frame("timing", graph_outputs=0, **fields | {"candidate_us": 0.01})
+        stream = timings + probes + probe("refill", 0) + probe("refill", 1)
+    judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True)
+    judge.finish(-9, SimpleNamespace(limit_s=20.0, expired_after=17.5))
+    assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
