@@ -157,7 +157,9 @@ def test_a_hanging_candidate_is_killed_on_the_host_and_recorded_as_a_crash(loopb
     job = jobs_for(Candidate(op="rmsnorm", kind="free", source=source), Target(model="tiny", dtype="fp32"), slot)
     run = SSHExecutor().run(job["compile"], slot, timeout_s=8)
     assert run.verdict.status == "crash" and run.verdict.failing_gate.name == "time_limit"
-    assert 8 <= run.held_s < 20
+    # the harness on the host stops the candidate 2 s inside the limit and writes the verdict itself
+    assert "the harness killed the candidate's process" in run.verdict.failing_gate.detail
+    assert 4 <= run.held_s < 8
     runs = Path(host.workdir) / "runs"
     leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cwd_under(p, runs)]
     assert leftovers == [], "the harness's process group outlived its time limit"
