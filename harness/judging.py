@@ -3,7 +3,7 @@ judges against its own oracle, the timings it turns into roofline numbers, and h
 sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
 from __future__ import annotations
 
-from typing import BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import torch
 
@@ -16,6 +16,9 @@ from harness.job import Job
 from harness.stages import shapes_by_label
 from harness.supervisor import check_plan, fresh_seeds
 from harness.verdict import PASS, ShapeTiming, Verdict
+
+if TYPE_CHECKING:
+    from harness.supervisor import Deadline
 
 
 class Judge:
@@ -176,11 +179,11 @@ class Judge:
         self.v.crash("memory", f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
                                f"{self.job.rules.memory_mb} MiB limit, and was killed")
 
-    def finish(self, returncode: int | None, deadline=None) -> None:
+    def finish(self, returncode: int | None, deadline: Deadline | None = None) -> None:
         v = self.v
         if v.status != PASS:
             return
-        if not self.done and deadline is not None and deadline.expired_after is not None:
+        if not self.done and deadline is not None and deadline.struck:
             v.crash("time_limit", f"{self.job.stage} stage ran past its {deadline.limit_s:g} s limit: the harness "
                                   f"killed the candidate's process after {deadline.expired_after:.0f} s, keeping "
                                   f"{deadline.limit_s - deadline.expired_after:.0f} s to write this verdict; "
@@ -202,7 +205,7 @@ class Judge:
             if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
-            probes = sum(_probes(s) for s in self.plan["shapes"])
+            probes = sum(len(_probe_items(s)) for s in self.plan["shapes"])
             graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
@@ -220,10 +223,9 @@ class Judge:
             plan = {s["shape"]: s for s in self.plan["shapes"]}
 
             def all_judged(label: str) -> bool:
-                items, last = self.judged_by_shape.get(label, set()), len(plan[label]["sets"]) - 1
-                probes = {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, last)}
+                items = self.judged_by_shape.get(label, set())
                 graphs = [i for i in items if i.startswith("graph")]
-                return probes <= items and len(graphs) == self.graph_outputs.get(label, 0)
+                return _probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
 
             judged = [t for t in self.v.timings if all_judged(t.label)]
             unjudged = [t.label for t in self.v.timings if t not in judged]
@@ -247,10 +249,10 @@ def _index(text: str) -> int:
     return n
 
 
-def _probes(spec: dict) -> int:
-    """Outputs the probes of one planned shape return: a timed and a refilled call on its first
-    and its last input set."""
-    return 2 * len({0, len(spec["sets"]) - 1})
+def _probe_items(spec: dict) -> set[str]:
+    """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
+    call on its first and its last input set."""
+    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
 
 
 def speed_of_light(job: Job, v: Verdict) -> None:

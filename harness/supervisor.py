@@ -54,12 +54,12 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     # (each takes seconds); it gets its job and plan only once the judge has made the plan.
     sys.dont_write_bytecode = True
     deadline = Deadline(job.limit_s, t0)
-    sandbox = Sandbox(job, scratch, deadline=deadline) if job.device != "auto" else None
+    sandbox = Sandbox(job, scratch, deadline) if job.device != "auto" else None
     try:
         from harness.judging import Judge
 
         judge = Judge(job, v)
-        sandbox = sandbox or Sandbox(job, scratch, judge.device, deadline)
+        sandbox = sandbox or Sandbox(job, scratch, deadline, judge.device)
         returncode = sandbox.run(judge)
     finally:
         deadline.cancel()
@@ -142,12 +142,17 @@ class Deadline:
         if self._timer:
             self._timer.cancel()
 
+    @property
+    def struck(self) -> bool:
+        """Whether the limit struck (and the sandbox was killed for it)."""
+        return self.expired_after is not None
+
     def reading_over(self) -> bool:
         """Once the limit struck: whether the report has been read for a quarter of the reserve since.
         What is not in by then is not judged, so that a process the kill missed (one forked
         while `_kill_tree` looked, as a chain of forks always is), still holding the channel,
         cannot keep the judge reading into the controller's kill."""
-        return (self.expired_after is not None
+        return (self.struck
                 and time.perf_counter() - self.t0 >= self.limit_s - 3 * reserve_s(self.limit_s) / 4)
 
 
@@ -179,7 +184,7 @@ class Sandbox:
     """The candidate's process: started with its limits, then given its job and plan on a
     second line of stdin (the sandbox imports torch in between), then read to the end."""
 
-    def __init__(self, job: Job, scratch: Path, device: str | None = None, deadline: Deadline | None = None):
+    def __init__(self, job: Job, scratch: Path, deadline: Deadline, device: str | None = None):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
         self.job, self.device = job, device or job.device
@@ -189,7 +194,7 @@ class Sandbox:
         self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
                                      env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
         os.close(w)
-        self.deadline = deadline or Deadline(None, 0.0)
+        self.deadline = deadline
         self.deadline.watch(self.proc.pid)
         self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: _kill(self.proc.pid))
         self._write({"device": self.device, "memory_mb": job.rules.memory_mb})
@@ -212,7 +217,7 @@ class Sandbox:
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
             judge.read(stream, stop=lambda: _kill(self.proc.pid), go=lambda: self._write_raw(b"go\n"),
-                       killed=lambda: self.deadline.expired_after is not None)
+                       killed=lambda: self.deadline.struck)
         self.end()
         if self.watchdog.tripped:
             judge.memory_exceeded(self.watchdog.tripped)

@@ -375,7 +375,6 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
     the judge judges the one before): that frame's end never comes. Unless the harness killed it,
     a frame cut short is still a protocol failure."""
     import io
-    from types import SimpleNamespace
 
     from flows.pipeline import jobs_for
     from harness.judging import Judge
@@ -389,7 +388,7 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
         v = Verdict("rmsnorm", "c")
         judge = Judge(job, v)
         judge.read(io.BytesIO(cut), stop=lambda: None, killed=lambda: killed)
-        judge.finish(-9, SimpleNamespace(limit_s=20.0, expired_after=17.5 if killed else None))
+        judge.finish(-9, _deadline(17.5 if killed else None))
         gate = v.failing_gate
         if killed:
             assert (v.status, gate.name) == ("crash", "time_limit"), v.to_json()
@@ -415,7 +414,6 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
     sandbox never sends (a timing announcing a negative number of outputs, a second timing for a
     shape, an output sent twice, a compiling frame out of the job's order) must not feed those."""
     import io
-    from types import SimpleNamespace
 
     from engine_templates.ops import get_op
     from engine_templates.ops.base import generator
@@ -451,5 +449,15 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
             timings += _frame("timing", graph_outputs=0, **fields | {"candidate_us": 0.01})
         stream = timings + probes + probe("refill", 0) + probe("refill", 1)
     judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True)
-    judge.finish(-9, SimpleNamespace(limit_s=20.0, expired_after=17.5))
+    judge.finish(-9, _deadline(17.5))
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
+
+
+def _deadline(struck_after: float | None):
+    """A 20 s stage's deadline, struck after `struck_after` seconds (None: not struck), with no
+    timer running."""
+    from harness.supervisor import Deadline
+
+    deadline = Deadline(None, 0.0)
+    deadline.limit_s, deadline.expired_after = 20.0, struck_after
+    return deadline
