@@ -111,8 +111,13 @@ def test_engine_profile_splits_a_decode_step_into_kernels(tmp_path):
     # its own process, as a user runs it (a failed capture earlier in this one leaves the RNG unusable)
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-m", "engine_templates.engine", "profile", "--presets", "tiny-moe",
-                           "--batches", "1,4", "--steps", "5", "--kernels", str(kernels)],
+                           "--batches", "1,4", "--steps", "5", "--top", "1000", "--kernels", str(kernels)],
                           capture_output=True, text=True, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "### batch 1: step" in done.stdout and "### batch 4: step" in done.stdout
-    assert "_rmsnorm_rows" in done.stdout  # the template's kernel, named in the eager step's table
+    # the template's kernel, named in each eager step's table (all of it: --top 1000). Only layer 0's
+    # input norm is a plain rmsnorm (the rest are fused_add_rmsnorm), so it runs once a step.
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| `_rmsnorm_rows")]
+    assert len(rows) == 2, done.stdout[-3000:]
+    assert all(row.split("|")[2].strip() == "1" for row in rows), rows
+    assert " others |" not in done.stdout  # nothing folded away
