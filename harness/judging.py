@@ -28,7 +28,7 @@ class Judge:
         self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
         v.device = devices.describe(self.device)
         self.judged, self.worst, self.done = 0, 0.0, False
-        self._go: Callable[[], None] = lambda: None  # read() sets the real one
+        self._go: Callable[[], bool] = lambda: True  # read() sets the real one
         self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
@@ -55,10 +55,11 @@ class Judge:
         return {"shapes": items}
 
     # -- reading --------------------------------------------------------------
-    def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], None] = lambda: None,
+    def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
              killed: Callable[[], bool] = lambda: False) -> None:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
-        answers a `settle` frame: the sandbox waits for it before it times a shape. `killed`
+        answers a `settle` frame: the sandbox waits for it before it times a shape; False when
+        the answer could not be written at once (the answers before it lie unread). `killed`
         says whether the harness killed the sandbox at the stage's limit: then a frame cut short
         is the kill's doing, the end of the report and not a fault in it."""
         self._go = go
@@ -104,7 +105,11 @@ class Judge:
             # docs/BENCHMARKS.md, eighth session).
             if self.device == "cuda":
                 torch.cuda.synchronize()
-            self._go()
+            if not self._go():
+                # The sandbox reads each answer before it sends its next settle, so at most one
+                # lies unread: a full stdin means the candidate's process sent these frames.
+                self.v.gate("protocol", False, "the sandbox's stdin is full of go-aheads nothing read: something "
+                                               "in the candidate's process sent settle frames")
         elif kind == "timing" and self.job.stage == "bench" and header.get("label") in self.roofline:
             # One per shape, announcing how many outputs of its timed graphs follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit

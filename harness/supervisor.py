@@ -210,13 +210,27 @@ class Sandbox:
         except (BrokenPipeError, ValueError):
             pass  # it died (or stdin is closed at its end); its exit status says how
 
+    def _go(self) -> bool:
+        """Answer a `settle` frame, never blocking: were the candidate's process to send settle
+        frames and leave the answers unread (a fork holding stdin), a blocking write would stop
+        the judge, and with it the verdict, until a kill. False when the pipe is full."""
+        fd = self.proc.stdin.fileno()  # everything before the answers was flushed in run()
+        os.set_blocking(fd, False)
+        try:
+            os.write(fd, b"go\n")  # at most PIPE_BUF bytes: written whole or not at all
+        except BlockingIOError:
+            return False
+        except BrokenPipeError:
+            pass  # it died; its exit status says how
+        return True
+
     def run(self, judge) -> int | None:
         """Hand over the job and plan, read the report, and end the process and its children."""
         self._write({"job": self.job.to_json(), "plan": judge.plan,
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
-            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=lambda: self._write_raw(b"go\n"),
+            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=self._go,
                        killed=lambda: self.deadline.struck)
         self.end()
         if self.watchdog.tripped:

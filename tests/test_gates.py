@@ -370,6 +370,38 @@ def test_a_chain_of_forks_that_escapes_the_kill_still_gets_the_harness_verdict()
     assert verdict.failing_gate.detail.startswith("compile stage ran past its 60 s limit: the harness killed")
 
 
+# Sends settle frames on the harness's channel (the sandbox's argument) at import and never
+# reads the go-aheads: once stdin's pipe is full, a blocking answer would stop the judge.
+FLOODS_SETTLE = '''import os
+import sys
+
+_write = getattr(os, "wr" + "ite")
+for _ in range(40000):
+    _write(int(sys.argv[1]), b'{"kind": "settle", "tensors": [], "nbytes": []}\\n')
+
+
+def rmsnorm(x, weight, eps):
+    return x
+'''
+
+
+def test_settle_frames_the_sandbox_never_waits_on_fail_protocol_without_blocking_the_judge():
+    """Each go-ahead is written without blocking: the sandbox reads one before it sends its next
+    settle, so a pipe full of them was filled by the candidate, and the judge says so at once
+    rather than waiting, blocked, for the stage's limit."""
+    import time
+
+    from flows.pipeline import jobs_for
+
+    slot = CPU_SLOT
+    job = jobs_for(Candidate("rmsnorm", "free", source=FLOODS_SETTLE), Target(model="tiny", dtype="fp32"), slot)
+    t = time.perf_counter()
+    verdict = LocalExecutor().run(job["bench"], slot, 60).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("fail", "protocol"), verdict.to_json()
+    assert "full of go-aheads" in verdict.failing_gate.detail
+    assert time.perf_counter() - t < 40  # not the deadline's kill (54 s)
+
+
 def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the_candidate():
     """Killed at the limit, the sandbox may be inside a frame (blocked writing a large output while
     the judge judges the one before): that frame's end never comes. Unless the harness killed it,
