@@ -196,7 +196,9 @@ class Judge:
             return
         if not self.done:
             how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
-            v.crash("process", f"the candidate's process ended ({how}) before its report was complete")
+            detail = f"the candidate's process ended ({how}) before its report was complete"
+            # what a stopped check or bench got through (a bench keeps only judged timings)
+            v.crash("process", f"{detail}; {self._progress()}" if self.job.stage != "compile" else detail)
             return
         if self.job.stage == "check":
             expected = len(self.plan["calls"])

@@ -439,6 +439,25 @@ def _frame(kind: str, tensors=(), **fields) -> bytes:
     return header.encode() + b"\n" + b"".join(blobs)
 
 
+# A first shape's timing frame as the sandbox sends it, on a CPU (wall clock, no torch.compile).
+FIRST_TIMING = dict(label="decode_b1", dims={}, candidate_us=1.0, candidate_us_repeat=1.0, eager_us=50.0,
+                    compile_us=None, method="wall", sets=2)
+
+
+def _probe_frame(judge, phase: str, j: int) -> bytes:
+    """The first shape's `phase` probe output (timed or refill) of input set j, right."""
+    from engine_templates.ops import get_op
+    from engine_templates.ops.base import generator
+
+    op, spec, shape = get_op("rmsnorm"), judge.plan["shapes"][0], judge.shapes["decode_b1"]
+    args = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
+    if phase == "refill":
+        fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["refill"][j]), "normal")
+        args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
+                     for i, a in enumerate(args))
+    return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")
+
+
 @pytest.mark.parametrize("forged", ["negative count", "second timing", "output twice", "compiling out of order"])
 def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stopped_stage(forged):
     """The candidate's process can write to the report channel. A stage stopped at its limit keeps
@@ -447,8 +466,6 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
     shape, an output sent twice, a compiling frame out of the job's order) must not feed those."""
     import io
 
-    from engine_templates.ops import get_op
-    from engine_templates.ops.base import generator
     from flows.pipeline import jobs_for
     from harness.judging import Judge
 
@@ -460,29 +477,46 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
     if forged == "compiling out of order":
         stream = _frame("compiling", shape="decode_b1") + _frame("compiling", shape="GPU is lost")
     else:
-        op, spec = get_op("rmsnorm"), judge.plan["shapes"][0]
-        fields = dict(label="decode_b1", dims={}, candidate_us=1.0, candidate_us_repeat=1.0, eager_us=50.0,
-                      compile_us=None, method="wall", sets=2)
-
         def probe(phase: str, j: int) -> bytes:
-            args = op.inputs(judge.shapes["decode_b1"], torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
-            if phase == "refill":
-                fresh = op.inputs(judge.shapes["decode_b1"], torch.float32, "cpu",
-                                  generator("cpu", spec["refill"][j]), "normal")
-                args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
-                             for i, a in enumerate(args))
-            return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")
+            return _probe_frame(judge, phase, j)
 
         timed_0 = probe("timed", 0)
         probes = {"negative count": b"", "second timing": timed_0 + probe("timed", 1),
                   "output twice": timed_0 * 4}[forged]
-        timings = _frame("timing", graph_outputs=-2 if forged == "negative count" else 0, **fields)
+        timings = _frame("timing", graph_outputs=-2 if forged == "negative count" else 0, **FIRST_TIMING)
         if forged == "second timing":
-            timings += _frame("timing", graph_outputs=0, **fields | {"candidate_us": 0.01})
+            timings += _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": 0.01})
         stream = timings + probes + probe("refill", 0) + probe("refill", 1)
     judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True)
     judge.finish(-9, _deadline(17.5))
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
+
+
+def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_judged():
+    """A sandbox that ends on its own mid-stage is a `process` crash. Its timings are metrics of
+    the crashed run: a shape's timing comes before its outputs, so one whose outputs never came
+    is dropped, as at the limit, and the verdict says how far the stage got."""
+    import io
+
+    from flows.pipeline import jobs_for
+    from harness.judging import Judge
+
+    job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
+                   CPU_SLOT)["bench"]
+    for outputs, kept in ((True, ["decode_b1"]), (False, [])):
+        v = Verdict("rmsnorm", "c")
+        judge = Judge(job, v)  # its plan draws the seeds the frames' outputs are computed from
+        stream = _frame("timing", graph_outputs=0, **FIRST_TIMING)
+        if outputs:
+            stream += b"".join(_probe_frame(judge, phase, j) for phase in ("timed", "refill") for j in (0, 1))
+        judge.read(io.BytesIO(stream), stop=lambda: None)
+        judge.finish(-11, _deadline(None))
+        assert (v.status, v.failing_gate.name) == ("crash", "process"), v.to_json()
+        assert v.failing_gate.detail.startswith("the candidate's process ended (killed by signal 11) before its "
+                                                "report was complete; ")
+        assert [t.label for t in v.timings] == kept
+        if not kept:
+            assert "timed but not yet judged (dropped): decode_b1" in v.failing_gate.detail
 
 
 def _deadline(struck_after: float | None):
