@@ -60,8 +60,8 @@ class Judge:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
         answers a `settle` frame: the sandbox waits for it before it times a shape; False when
         the answer could not be written at once (the answers before it lie unread). `killed`
-        says whether the harness killed the sandbox at the stage's limit: then a frame cut short
-        is the kill's doing, the end of the report and not a fault in it."""
+        says whether the harness killed the sandbox (at the stage's limit, or over its memory): then
+        a frame cut short is the kill's doing, the end of the report and not a fault in it."""
         self._go = go
         while self.v.status == PASS and not self.done:
             try:

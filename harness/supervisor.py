@@ -231,7 +231,7 @@ class Sandbox:
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
             judge.read(stream, stop=lambda: _kill(self.proc.pid), go=self._go,
-                       killed=lambda: self.deadline.struck)
+                       killed=lambda: self.deadline.struck or self.watchdog.tripped is not None)
         self.end()
         if self.watchdog.tripped:
             judge.memory_exceeded(self.watchdog.tripped)

@@ -429,6 +429,40 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
             assert (v.status, gate.name) == ("fail", "protocol") and "stream ended inside a payload" in gate.detail
 
 
+# On its first call, starts an output frame on the harness's channel and, before its end,
+# takes host memory until the watchdog kills it.
+LEAKS_INSIDE_A_FRAME = '''import os
+import sys
+
+import torch
+
+_write, _kept = getattr(os, "wr" + "ite"), []
+
+
+def rmsnorm(x, weight, eps):
+    _write(int(sys.argv[1]), b'{"kind": "outputs", "tensors": [{"dtype": "uint8", "shape": [64]}], '
+                             b'"nbytes": [64], "item": "check/0"}\\n' + bytes(8))
+    while True:
+        _kept.append(torch.ones(256 << 20, dtype=torch.uint8))
+'''
+
+
+def test_a_frame_the_memory_watchdog_cut_short_is_a_memory_crash_not_protocol():
+    """The watchdog's kill, like the deadline's, may land inside a frame: the verdict names the
+    memory, not the report it cut."""
+    from dataclasses import replace
+
+    from flows.pipeline import jobs_for
+
+    slot = CPU_SLOT
+    job = jobs_for(Candidate("rmsnorm", "free", source=LEAKS_INSIDE_A_FRAME), Target(model="tiny", dtype="fp32"),
+                   slot)["check"]
+    job = replace(job, rules=replace(job.rules, memory_mb=1024))
+    verdict = LocalExecutor().run(job, slot, 60).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("crash", "memory"), verdict.to_json()
+    assert [g.name for g in verdict.gates if not g.passed] == ["memory"]
+
+
 def _frame(kind: str, tensors=(), **fields) -> bytes:
     """A frame as harness.channel.Sender writes it."""
     import json
