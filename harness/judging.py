@@ -188,7 +188,7 @@ class Judge:
         v = self.v
         if v.status != PASS:
             return
-        if not self.done and deadline is not None and deadline.struck:
+        if not self.done and deadline is not None and deadline.struck and not deadline.ended_first:
             v.crash("time_limit", f"{self.job.stage} stage ran past its {deadline.limit_s:g} s limit: the harness "
                                   f"killed the candidate's process after {deadline.expired_after:.0f} s, keeping "
                                   f"{deadline.limit_s - deadline.expired_after:.0f} s to write this verdict; "

@@ -111,6 +111,7 @@ class Deadline:
     def __init__(self, limit_s: float | None, t0: float):
         self.limit_s, self.t0 = limit_s, t0
         self.expired_after: float | None = None  # seconds from t0, once the limit struck
+        self.ended_first = False  # the sandbox had already exited on its own when it struck
         self._pid: int | None = None
         self._over = False
         self._lock = threading.Lock()
@@ -125,6 +126,7 @@ class Deadline:
         with self._lock:
             self._pid = pid
             if self.expired_after is not None:
+                self.ended_first = _exited(pid)
                 _kill(pid)
 
     def _expire(self) -> None:
@@ -133,6 +135,7 @@ class Deadline:
                 return
             self.expired_after = time.perf_counter() - self.t0
             if self._pid is not None:  # not reaped before cancel(): the pids are still theirs
+                self.ended_first = _exited(self._pid)  # its death is then its own, not the limit's
                 _kill(self._pid)
                 _kill_tree()
 
@@ -257,6 +260,14 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # already gone
+
+
+def _exited(pid: int) -> bool:
+    """Whether our child `pid` has exited (a zombie, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # reaped already: gone
 
 
 def _parents() -> dict[int, int]:

@@ -331,6 +331,45 @@ def test_the_deadline_kills_what_the_sandbox_started_too():
     assert done.returncode == 0, done.stderr
 
 
+def test_a_sandbox_that_exited_on_its_own_before_the_deadline_is_a_process_crash():
+    """The deadline may strike between the sandbox's own death and the supervisor's reading its
+    end: that death was the candidate's, and the verdict says `process`, not `time_limit`. The
+    deadline looks at the sandbox (unreaped, so still its pid) before it kills; in a process of
+    its own here, since it kills every process below the one that calls it."""
+    import io
+    import subprocess
+    import sys
+
+    from flows.pipeline import jobs_for
+    from harness.judging import Judge
+
+    script = ("import subprocess, time\n"
+              "from harness import supervisor\n"
+              "for cmd, ended in (('exit 3', True), ('exec sleep 300', False)):\n"
+              "    p = subprocess.Popen(['sh', '-c', cmd])\n"
+              "    while cmd == 'exit 3' and not supervisor._exited(p.pid):\n"
+              "        time.sleep(0.01)\n"
+              "    deadline = supervisor.Deadline(2.5, time.perf_counter())  # strikes after 0.5 s (2 s reserve)\n"
+              "    deadline.watch(p.pid)\n"
+              "    time.sleep(1.5)\n"
+              "    assert deadline.struck and deadline.ended_first == ended, (cmd, deadline.ended_first)\n"
+              "    assert p.wait(timeout=10) == (3 if ended else -9), p.returncode\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+
+    job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
+                   CPU_SLOT)["check"]
+    for ended_first, gate in ((True, "process"), (False, "time_limit")):
+        v = Verdict("rmsnorm", "c")
+        judge = Judge(job, v)
+        judge.read(io.BytesIO(b""), stop=lambda: None)
+        deadline = _deadline(17.5)
+        deadline.ended_first = ended_first
+        judge.finish(3 if ended_first else -9, deadline)
+        assert (v.status, v.failing_gate.name) == ("crash", gate), v.to_json()
+
+
 def test_a_candidate_whose_import_runs_past_the_limit_is_named_so():
     from flows.pipeline import jobs_for
 
