@@ -111,7 +111,7 @@ class Deadline:
     def __init__(self, limit_s: float | None, t0: float):
         self.limit_s, self.t0 = limit_s, t0
         self.expired_after: float | None = None  # seconds from t0, once the limit struck
-        self.ended_first = False  # the sandbox had already exited on its own when it struck
+        self.ended_first = False  # the report had ended (every write end closed) before it struck
         self._pid: int | None = None
         self._over = False
         self._lock = threading.Lock()
@@ -126,7 +126,6 @@ class Deadline:
         with self._lock:
             self._pid = pid
             if self.expired_after is not None:
-                self.ended_first = _exited(pid)
                 _kill(pid)
 
     def _expire(self) -> None:
@@ -135,9 +134,16 @@ class Deadline:
                 return
             self.expired_after = time.perf_counter() - self.t0
             if self._pid is not None:  # not reaped before cancel(): the pids are still theirs
-                self.ended_first = _exited(self._pid)  # its death is then its own, not the limit's
                 _kill(self._pid)
                 _kill_tree()
+
+    def report_ended(self) -> None:
+        """The report's end was read: the sandbox and all it started are gone. Should the limit
+        strike before the supervisor cancels it, their end was their own, not the limit's. (A
+        sandbox that exits while a fork it left holds the channel has not ended the report.)"""
+        with self._lock:
+            if self.expired_after is None:
+                self.ended_first = True
 
     def cancel(self) -> None:
         with self._lock:
@@ -174,7 +180,10 @@ class _Report(io.RawIOBase):
     def readinto(self, buffer) -> int:
         while not self.deadline.reading_over():
             if self._poll.poll(100):  # data, or the end: no write end left
-                return os.readv(self.fd, [buffer])
+                n = os.readv(self.fd, [buffer])
+                if n == 0:
+                    self.deadline.report_ended()
+                return n
         return 0
 
     def close(self) -> None:
@@ -260,14 +269,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # already gone
-
-
-def _exited(pid: int) -> bool:
-    """Whether our child `pid` has exited (a zombie, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # reaped already: gone
 
 
 def _parents() -> dict[int, int]:
