@@ -59,7 +59,10 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
     try:
         header = json.loads(line)
         metas, sizes = header["tensors"], header["nbytes"]
-        assert isinstance(header["kind"], str) and len(metas) == len(sizes)
+        assert isinstance(header["kind"], str) and isinstance(metas, list) and isinstance(sizes, list)
+        assert len(metas) == len(sizes) and all(type(n) is int and n >= 0 for n in sizes)
+        assert all(isinstance(m, dict) and isinstance(m.get("dtype"), str) and isinstance(m.get("shape"), list)
+                   and all(type(d) is int and d >= 0 for d in m["shape"]) for m in metas)
     except (ValueError, KeyError, TypeError, AssertionError):
         raise ProtocolError(f"malformed header: {line[:200]!r}") from None
     if sum(sizes) > max_payload:
@@ -69,7 +72,7 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
         data = stream.read(size)
         if len(data) != size:
             raise CutOff("stream ended inside a payload")
-        dtype, shape = _dtype(meta["dtype"]), [int(n) for n in meta["shape"]]
+        dtype, shape = _dtype(meta["dtype"]), meta["shape"]
         t = torch.frombuffer(bytearray(data), dtype=dtype) if size else torch.empty(0, dtype=dtype)
         try:
             tensors.append(t.reshape(shape))

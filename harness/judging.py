@@ -3,6 +3,7 @@ judges against its own oracle, the timings it turns into roofline numbers, and h
 sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import torch
@@ -33,6 +34,7 @@ class Judge:
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
         self.items: set[str] = set()  # every output item judged: the sandbox sends each once
+        self.settles = 0  # settle frames answered: the sandbox numbers its own from 0
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
         self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
@@ -74,7 +76,12 @@ class Judge:
                 break
             if frame is None:
                 return
-            self._take(*frame)
+            try:
+                self._take(*frame)
+            except ProtocolError as e:  # a frame the sandbox never writes: the candidate's process did
+                self.v.gate("protocol", False, f"a frame the sandbox never sends ({e}): something in its "
+                                               "process wrote to the harness's channel")
+                break
         stop()
 
     def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
@@ -84,8 +91,17 @@ class Judge:
         elif kind == "isolation":
             self.v.device["isolation"] = str(header.get("detail", ""))
         elif kind == "gate":
-            name, passed, detail = str(header["name"]), bool(header["passed"]), str(header.get("detail", ""))
-            self.v.crash(name, detail) if header.get("crash") else self.v.gate(name, passed, detail)
+            # The sandbox reports failed gates, names none of the harness's own, and passes one
+            # gate only: `compile`, once every shape was called. A forged frame would otherwise
+            # pass a stage, or turn it into a time_limit crash.
+            name, passed, crash = header.get("name"), header.get("passed"), header.get("crash", False)
+            compiled = len(self.compiling) == len(self.job.shapes) + len(self.job.odd_shapes)
+            if (not isinstance(name, str) or name in HARNESS_GATES or type(crash) is not bool
+                    or (crash and name != "baseline") or type(passed) is not bool
+                    or (passed and not (name == "compile" and self.job.stage == "compile" and compiled and not crash))):
+                raise ProtocolError(f"a gate frame {_brief(header)}")
+            detail = str(header.get("detail", ""))
+            self.v.crash(name, detail) if crash else self.v.gate(name, passed, detail)
         elif kind == "compiling" and self.job.stage == "compile":
             # The sandbox announces every shape once, in the job's order: anything else was
             # written by the candidate, and would name what a stopped stage was doing.
@@ -98,6 +114,12 @@ class Judge:
         elif kind == "outputs":
             self._judge(str(header.get("item")), tensors)
         elif kind == "settle" and self.job.stage == "bench":
+            # The sandbox numbers its settle frames 0, 1, 2…: one out of that order, or a copy,
+            # was written by something else in its process.
+            if type(header.get("n")) is not int or header["n"] != self.settles:
+                raise ProtocolError(f"a settle frame numbered {str(header.get('n'))[:40]}; the sandbox's next "
+                                    f"is {self.settles}")
+            self.settles += 1
             # Every frame before this one is judged (frames are read in order); once this
             # process's GPU work has finished too, the sandbox may time. With this judging still
             # on the GPU, torch.compile's graph replays at the next shape read 15% faster than
@@ -110,11 +132,12 @@ class Judge:
                 # lies unread: a full stdin means the candidate's process sent these frames.
                 self.v.gate("protocol", False, "the sandbox's stdin is full of go-aheads nothing read: something "
                                                "in the candidate's process sent settle frames")
-        elif kind == "timing" and self.job.stage == "bench" and header.get("label") in self.roofline:
+        elif kind == "timing" and self.job.stage == "bench" and isinstance(header.get("label"), str) and header["label"] in self.roofline:
             # One per shape, announcing how many outputs of its timed graphs follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.
-            graph_outputs = int(header.get("graph_outputs", 0))
+            _check_timing(header)
+            graph_outputs = header["graph_outputs"]
             if header["label"] in self.graph_outputs or graph_outputs < 0:
                 self.v.gate("protocol", False, f"a timing frame for {header['label']} announcing {graph_outputs} "
                                                "timed-graph outputs: the sandbox sends one per shape, the count "
@@ -124,7 +147,7 @@ class Judge:
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
                                              "compile_us", "method")}
             l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
-            cover = int(header.get("sets", 0)) * nbytes / l2 if l2 else 0.0
+            cover = header["sets"] * nbytes / l2 if l2 else 0.0
             self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops,
                                               l2_cover=cover))
             self.graph_outputs[header["label"]] = graph_outputs
@@ -181,8 +204,10 @@ class Judge:
 
     # -- the end --------------------------------------------------------------
     def memory_exceeded(self, rss_mb: float) -> None:
-        self.v.crash("memory", f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
-                               f"{self.job.rules.memory_mb} MiB limit, and was killed")
+        detail = (f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
+                  f"{self.job.rules.memory_mb} MiB limit, and was killed")
+        # how far a check or bench got, keeping only the timings whose outputs were judged
+        self.v.crash("memory", f"{detail}; {self._progress()}" if self.job.stage != "compile" else detail)
 
     def finish(self, returncode: int | None, deadline: Deadline | None = None) -> None:
         v = self.v
@@ -246,6 +271,29 @@ class Judge:
         total = len(self.job.shapes) + len(self.job.odd_shapes)
         return (f"its first call on shape {self.compiling[-1]} had not returned "
                 f"({len(self.compiling) - 1} of {total} shapes compiled before it)")
+
+
+HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the supervisor alone
+
+
+def _brief(header: dict) -> str:
+    return json.dumps(header, default=str)[:200]
+
+
+def _number(x: object) -> bool:
+    return type(x) in (int, float)
+
+
+def _check_timing(header: dict) -> None:
+    """A timing frame has the fields the sandbox writes, of the types it writes them in."""
+    dims = header.get("dims")
+    ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
+          and all(_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat", "eager_us"))
+          and (header.get("compile_us") is None or _number(header["compile_us"]))
+          and isinstance(header.get("method"), str)
+          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
+    if not ok:
+        raise ProtocolError(f"a timing frame {_brief(header)}")
 
 
 def _index(text: str) -> int:

@@ -56,7 +56,8 @@ def main() -> int:
         send("done")
         return 0
     if job.stage == "bench":
-        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin),
+        settles = iter(range(1 << 62))  # numbered: the supervisor answers each number once
+        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin, next(settles)),
                            patched=identities.changed)
     else:
         {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
@@ -67,11 +68,11 @@ def main() -> int:
     return 0
 
 
-def _settle(send, stdin) -> bool:
+def _settle(send, stdin, n: int) -> bool:
     """Before a shape is timed: ask the supervisor to finish judging what it was sent and to
     leave the GPU idle, and wait for its answer. False when the answer is not the expected one
-    (something in this process read or closed stdin)."""
-    send("settle")
+    (something in this process read or closed stdin). `n` counts the questions from 0."""
+    send("settle", n=n)
     try:
         return stdin.readline() == "go\n"
     except (OSError, ValueError):  # closed, or its descriptor taken away

@@ -351,6 +351,20 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
         deadline.report_ended()
         assert deadline.struck and deadline.ended_first == ended_first
 
+    # Through the report's reader: reading a report to its end marks it ended, before the strike.
+    import os
+
+    from harness.supervisor import _Report
+
+    r, w = os.pipe()
+    os.write(w, _frame("done"))
+    os.close(w)
+    deadline = Deadline(2.5, time.perf_counter())
+    with io.BufferedReader(_Report(r, deadline)) as report:
+        assert report.read() == _frame("done")
+    time.sleep(1.0)
+    assert deadline.struck and deadline.ended_first
+
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
                    CPU_SLOT)["check"]
     for ended_first, gate in ((True, "process"), (False, "time_limit")):
@@ -402,14 +416,15 @@ def test_a_chain_of_forks_that_escapes_the_kill_still_gets_the_harness_verdict()
     assert verdict.failing_gate.detail.startswith("compile stage ran past its 60 s limit: the harness killed")
 
 
-# Sends settle frames on the harness's channel (the sandbox's argument) at import and never
-# reads the go-aheads: once stdin's pipe is full, a blocking answer would stop the judge.
+# Sends settle frames on the harness's channel (the sandbox's argument) at import, numbered as
+# the sandbox numbers its own, and never reads the go-aheads: once stdin's pipe is full, a
+# blocking answer would stop the judge.
 FLOODS_SETTLE = '''import os
 import sys
 
 _write = getattr(os, "wr" + "ite")
-for _ in range(40000):
-    _write(int(sys.argv[1]), b'{"kind": "settle", "tensors": [], "nbytes": []}\\n')
+for n in range(40000):
+    _write(int(sys.argv[1]), b'{"kind": "settle", "n": ' + str(n).encode() + b', "tensors": [], "nbytes": []}\\n')
 
 
 def rmsnorm(x, weight, eps):
@@ -524,12 +539,34 @@ def _probe_frame(judge, phase: str, j: int) -> bytes:
     return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")
 
 
-@pytest.mark.parametrize("forged", ["negative count", "second timing", "output twice", "compiling out of order"])
+# Frames, or frame headers, the sandbox never writes; each would otherwise be believed (a
+# settle answered, a gate passed or named as the harness's) or stop the judge with a traceback.
+FORGED_HEADERS = {
+    "stray settle": b'{"kind": "settle", "n": 0, "tensors": [], "nbytes": []}\n' * 2,
+    "unnumbered settle": b'{"kind": "settle", "tensors": [], "nbytes": []}\n',
+    "harness's gate": b'{"kind": "gate", "name": "time_limit", "passed": false, "crash": true, "tensors": [], "nbytes": []}\n',
+    "crash of a candidate's gate": b'{"kind": "gate", "name": "accuracy", "passed": false, "crash": true, "tensors": [], "nbytes": []}\n',
+    "passed gate": b'{"kind": "gate", "name": "correctness", "passed": true, "tensors": [], "nbytes": []}\n',
+    "gate without a name": b'{"kind": "gate", "passed": false, "tensors": [], "nbytes": []}\n',
+    "timing without dims": _frame("timing", graph_outputs=0, **{k: v for k, v in FIRST_TIMING.items() if k != "dims"}),
+    "timing with a text count": _frame("timing", **FIRST_TIMING | {"graph_outputs": "x"}),
+    "timing with a text time": _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": "1"}),
+    "tensor without a dtype": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"shape": [1]}], "nbytes": [4]}\n',
+    "text byte count": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], "nbytes": ["4"]}\n',
+    "negative byte count": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}], "nbytes": [-1]}\n',
+    "byte counts that cancel": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}, '
+                                b'{"dtype": "uint8", "shape": [0]}], "nbytes": [35184372088832, -35184372088832]}\n'),
+}
+
+
+@pytest.mark.parametrize("forged", ["negative count", "second timing", "output twice", "compiling out of order",
+                                    *FORGED_HEADERS])
 def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stopped_stage(forged):
     """The candidate's process can write to the report channel. A stage stopped at its limit keeps
     the timings whose outputs were all judged, and names the shape it was compiling: frames the
     sandbox never sends (a timing announcing a negative number of outputs, a second timing for a
-    shape, an output sent twice, a compiling frame out of the job's order) must not feed those."""
+    shape, an output sent twice, a compiling frame out of the job's order) must not feed those.
+    Nor may one pass a gate, claim the harness's own verdicts, or stop the judge (FORGED_HEADERS)."""
     import io
 
     from flows.pipeline import jobs_for
@@ -542,6 +579,8 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
     judge = Judge(job, v)
     if forged == "compiling out of order":
         stream = _frame("compiling", shape="decode_b1") + _frame("compiling", shape="GPU is lost")
+    elif forged in FORGED_HEADERS:
+        stream = FORGED_HEADERS[forged]
     else:
         def probe(phase: str, j: int) -> bytes:
             return _probe_frame(judge, phase, j)
@@ -583,6 +622,26 @@ def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_jud
         assert [t.label for t in v.timings] == kept
         if not kept:
             assert "timed but not yet judged (dropped): decode_b1" in v.failing_gate.detail
+
+
+def test_a_sandbox_killed_over_its_memory_keeps_only_the_timings_whose_outputs_were_judged():
+    """The memory watchdog's kill ends a bench as a death does: the verdict says how far the
+    stage got, and a shape timed but not judged is dropped."""
+    import io
+
+    from flows.pipeline import jobs_for
+    from harness.judging import Judge
+
+    job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
+                   CPU_SLOT)["bench"]
+    v = Verdict("rmsnorm", "c")
+    judge = Judge(job, v)
+    judge.read(io.BytesIO(_frame("timing", graph_outputs=0, **FIRST_TIMING)), stop=lambda: None)
+    judge.memory_exceeded(5000.0)
+    judge.finish(-9, _deadline(None))
+    assert (v.status, v.failing_gate.name) == ("crash", "memory"), v.to_json()
+    assert v.timings == []
+    assert "timed but not yet judged (dropped): decode_b1" in v.failing_gate.detail
 
 
 def _deadline(struck_after: float | None):
