@@ -132,7 +132,8 @@ class Judge:
                 # lies unread: a full stdin means the candidate's process sent these frames.
                 self.v.gate("protocol", False, "the sandbox's stdin is full of go-aheads nothing read: something "
                                                "in the candidate's process sent settle frames")
-        elif kind == "timing" and self.job.stage == "bench" and isinstance(header.get("label"), str) and header["label"] in self.roofline:
+        elif (kind == "timing" and self.job.stage == "bench" and isinstance(header.get("label"), str)
+              and header["label"] in self.roofline):
             # One per shape, announcing how many outputs of its timed graphs follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.

@@ -11,6 +11,7 @@ a timing.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -56,7 +57,7 @@ def main() -> int:
         send("done")
         return 0
     if job.stage == "bench":
-        settles = iter(range(1 << 62))  # numbered: the supervisor answers each number once
+        settles = itertools.count()  # numbered: the supervisor answers each number once
         stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin, next(settles)),
                            patched=identities.changed)
     else:
