@@ -207,8 +207,7 @@ class Judge:
     def memory_exceeded(self, rss_mb: float) -> None:
         detail = (f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
                   f"{self.job.rules.memory_mb} MiB limit, and was killed")
-        # how far a check or bench got, keeping only the timings whose outputs were judged
-        self.v.crash("memory", f"{detail}; {self._progress()}" if self.job.stage != "compile" else detail)
+        self.v.crash("memory", self._ended_early(detail))
 
     def finish(self, returncode: int | None, deadline: Deadline | None = None) -> None:
         v = self.v
@@ -222,9 +221,7 @@ class Judge:
             return
         if not self.done:
             how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
-            detail = f"the candidate's process ended ({how}) before its report was complete"
-            # what a stopped check or bench got through (a bench keeps only judged timings)
-            v.crash("process", f"{detail}; {self._progress()}" if self.job.stage != "compile" else detail)
+            v.crash("process", self._ended_early(f"the candidate's process ended ({how}) before its report was complete"))
             return
         if self.job.stage == "check":
             expected = len(self.plan["calls"])
@@ -245,6 +242,11 @@ class Judge:
                                           f"{self.graph_judged} of {graph_outputs} timed-graph outputs reported")
                 return
             speed_of_light(self.job, v)
+
+    def _ended_early(self, detail: str) -> str:
+        """`detail` of a sandbox that ended on its own or was killed over its memory, with what a
+        check or bench got through (a bench keeps only judged timings)."""
+        return f"{detail}; {self._progress()}" if self.job.stage != "compile" else detail
 
     def _progress(self) -> str:
         """What the stage had done when it was stopped, in the verdict's words."""

@@ -542,12 +542,12 @@ def _probe_frame(judge, phase: str, j: int) -> bytes:
 # Frames, or frame headers, the sandbox never writes; each would otherwise be believed (a
 # settle answered, a gate passed or named as the harness's) or stop the judge with a traceback.
 FORGED_HEADERS = {
-    "stray settle": b'{"kind": "settle", "n": 0, "tensors": [], "nbytes": []}\n' * 2,
-    "unnumbered settle": b'{"kind": "settle", "tensors": [], "nbytes": []}\n',
-    "harness's gate": b'{"kind": "gate", "name": "time_limit", "passed": false, "crash": true, "tensors": [], "nbytes": []}\n',
-    "crash of a candidate's gate": b'{"kind": "gate", "name": "accuracy", "passed": false, "crash": true, "tensors": [], "nbytes": []}\n',
-    "passed gate": b'{"kind": "gate", "name": "correctness", "passed": true, "tensors": [], "nbytes": []}\n',
-    "gate without a name": b'{"kind": "gate", "passed": false, "tensors": [], "nbytes": []}\n',
+    "stray settle": _frame("settle", n=0) * 2,
+    "unnumbered settle": _frame("settle"),
+    "harness's gate": _frame("gate", name="time_limit", passed=False, crash=True),
+    "crash of a candidate's gate": _frame("gate", name="accuracy", passed=False, crash=True),
+    "passed gate": _frame("gate", name="correctness", passed=True),
+    "gate without a name": _frame("gate", passed=False),
     "timing without dims": _frame("timing", graph_outputs=0, **{k: v for k, v in FIRST_TIMING.items() if k != "dims"}),
     "timing with a text count": _frame("timing", **FIRST_TIMING | {"graph_outputs": "x"}),
     "timing with a text time": _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": "1"}),
