@@ -274,9 +274,13 @@ def _kill(pid: int) -> None:
 def _parents() -> dict[int, int]:
     """Every process's parent, from /proc."""
     out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    # listdir, not Path.glob: glob stats each entry, and a process that exits in between raises
+    # ESRCH from there (outside any handler here), which crashed the harness on a loaded host.
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
         try:
-            out[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            out[int(name)] = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
     return out
