@@ -291,12 +291,13 @@ def _kill_tree() -> None:
     (still its children, or re-parented to us). Unreaped, none of their pids can be reused
     before `_kill_descendants` waits for them. Their deaths close every copy of the report
     channel's write end, so that the judge's read ends."""
-    parents, below, me = _parents(), set(), os.getpid()
-    grew = True
-    while grew:
-        found = {pid for pid, parent in parents.items() if (parent == me or parent in below) and pid not in below}
-        below |= found
-        grew = bool(found)
+    parents, below, me = _parents(), [], os.getpid()
+    level = [pid for pid, parent in parents.items() if parent == me]
+    while level:
+        below += level
+        level = [pid for pid, parent in parents.items() if parent in level and pid not in below]
+    # Parents before children: a shell whose child was killed first could return from `wait`
+    # and exit on its own before its kill (seen in CI: the test's shell exited 0, not -9).
     for pid in below:
         _kill(pid)
 
