@@ -87,7 +87,7 @@ def _validated(model, data: dict, what: str):
 
 
 def _target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
-    from flows.target import TINY_WORKLOAD, Target, Workload, is_tiny
+    from targets import TINY_WORKLOAD, Target, Workload, is_tiny
 
     data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class,
             "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
@@ -159,7 +159,7 @@ def _open_store() -> None:
 
 
 def cmd_evaluate(args) -> int:
-    from harness.load import screen_signature
+    from contract.job import screen_signature
 
     op = _op(args.op)
     target = _target(args)
@@ -263,7 +263,7 @@ def cmd_report(args) -> int:
 
 def cmd_pool_check(args) -> int:
     from flows.pipeline import jobs_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.check import check_host, table
 
     if not args.stage_timeout > 0:
@@ -277,7 +277,7 @@ def cmd_pool_check(args) -> int:
     probe_target = Target(model="tiny", dtype="fp32")
 
     def job_for(slot):
-        from harness.job import Candidate
+        from contract.job import Candidate
 
         cand = Candidate(op=op.name, kind="template", template=template.name, point=dict(template.default),
                          origin="pool-check")
@@ -298,8 +298,8 @@ def cmd_pool_release(args) -> int:
 
 def cmd_gauntlet(args) -> int:
     from flows.gauntlet import run_gauntlet, table
-    from flows.target import Target
-    from harness.gauntlet import load_cases
+    from targets import Target
+    from gauntlet import load_cases
 
     if args.op:
         _op(args.op)
@@ -358,8 +358,8 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
     """The target with its serving settings: the preset's, a --serving file over them, then options."""
     import yaml
 
-    from flows.target import Serving
-    from harness.serve.baselines import ENGINES
+    from targets import Serving
+    from contract.serve import BASELINE_ENGINES as ENGINES
 
     target = _target(args, candidates, wall_clock)
     serving = target.serving.model_dump()
@@ -427,7 +427,7 @@ def _serve_place(args, target):
     torch, transformers and aiohttp, so that a lack is one line, not a crash. A baseline named by
     engine (vllm, sglang) is asked of every host, this machine included: its python must import it."""
     from gpu_pool.check import serve_problems
-    from harness.serve.baselines import ENGINES
+    from contract.serve import BASELINE_ENGINES as ENGINES
 
     pool, slots = _pool_with(args.pool, target.gpu_class)
     problem = pool.group_problem(target.gpu_class, target.serving.replicas)
@@ -465,8 +465,8 @@ def _kernels(path: str | None) -> dict:
 def _serve_errors():
     from gpu_pool.health import HostFault
     from gpu_pool.ssh_serve import ServeSetupError
-    from harness.serve.aiperf import AIPerfError
-    from harness.serve.server import ServerError
+    from contract.serve import AIPerfError
+    from contract.serve import ServerError
 
     # HostFault: every host of the pool failed (the dispatch retried on the others first)
     return AIPerfError, ServerError, ServeSetupError, HostFault

@@ -7,10 +7,10 @@ from prefect import flow
 
 from flows.optimize_op import scope_for
 from flows.pipeline import evaluate, one_line
-from flows.target import Target
+from targets import Target
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
-from harness.job import Candidate
+from contract.job import Candidate
 from tracking.schema import Tracker
 from tracking.store import TrackingConfig
 

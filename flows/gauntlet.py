@@ -1,4 +1,4 @@
-"""`infersmith gauntlet`: both suites of harness/gauntlet/ on one slot of a pool, as a table.
+"""`infersmith gauntlet`: both suites of gauntlet/ on one slot of a pool, as a table.
 
 Each case runs through the same stages as any candidate (compile → check → bench, stopping
 at the first that does not pass) on the same executor, so the table proves the gates of
@@ -23,11 +23,11 @@ from typing import Callable
 from engine_templates.models import PRESETS
 from engine_templates.ops import get_op
 from flows.pipeline import run_stages
-from flows.target import Target, is_tiny
+from targets import Target, is_tiny
 from gpu_pool.executors import LocalExecutor, SSHExecutor, executor_for
 from gpu_pool.pool import Slot
-from harness.gauntlet import Case
-from harness.verdict import PASS, Verdict
+from gauntlet import Case
+from contract.verdict import PASS, Verdict
 from tracking.ledger import Charge
 
 

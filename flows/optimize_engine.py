@@ -12,12 +12,12 @@ from prefect import flow
 
 from flows.optimize_op import ProposerName
 from flows.serve_pipeline import Baseline, EngineOutcome, evaluate_engine, one_line, reference_task
-from flows.target import Target
+from targets import Target
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
-from harness.serve.aiperf import METRICS
-from harness.serve.job import EngineCandidate
-from harness.verdict import PASS
+from contract.serve import METRICS
+from contract.serve import EngineCandidate
+from contract.verdict import PASS
 from proposers.engine import EngineProposer
 from tracking.history import engine_trials, kernel_choices
 from tracking.schema import RunScope, Tracker

@@ -13,11 +13,11 @@ from prefect.runtime import flow_run
 
 from engine_templates.ops import get_op
 from flows.pipeline import Outcome, evaluate, one_line
-from flows.target import Target
+from targets import Target
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
-from harness.job import Candidate
+from contract.job import Candidate
 from tasks.stages import propose
 from tracking.history import board, trials
 from tracking.schema import RunScope, Tracker

@@ -9,13 +9,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from engine_templates.ops import get_op
-from flows.target import Target
+from targets import Target
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
 from gpu_pool.health import HostFault
 from gpu_pool.local import StageRun
 from gpu_pool.pool import Slot
-from harness.job import STAGES, Candidate, Job
-from harness.verdict import PASS, Verdict
+from contract.job import STAGES, Candidate, Job
+from contract.verdict import PASS, Verdict
 from tasks.stages import STAGE_TASKS
 from tracking.ledger import Charge
 from tracking.schema import Tracker

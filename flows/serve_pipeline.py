@@ -13,15 +13,15 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.target import Target
+from targets import Target
 from gpu_pool.dispatch import run_leased_group
 from gpu_pool.executors import serve_sessions
 from gpu_pool.local import WORKER_ROOT
 from gpu_pool.pool import Slot
-from harness.serve.aiperf import PatternRun
-from harness.serve.job import EngineCandidate, ServeJob
-from harness.serve.stage import Reference, Served, compare
-from harness.verdict import PASS, Verdict
+from contract.serve import PatternRun
+from contract.serve import EngineCandidate, ServeJob
+from contract.serve import Reference, Served, compare
+from contract.verdict import PASS, Verdict
 from tasks.stages import serve_stage
 from tracking.ledger import Charge
 from tracking.schema import Tracker

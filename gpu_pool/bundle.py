@@ -1,4 +1,4 @@
-"""The worker-side bundle: harness/ and engine_templates/ as one content-addressed tarball.
+"""The worker-side bundle: contract/, harness/ and engine_templates/ as one content-addressed tarball.
 
 The same sources always give the same bytes (sorted entries, no timestamps, no owners),
 so the digest names the bundle and a host that already has it is not sent it again.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gpu_pool.local import WORKER_ROOT
 
-WORKER_PACKAGES = ("harness", "engine_templates")
+WORKER_PACKAGES = ("contract", "harness", "engine_templates")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,6 @@ def unpack(bundle: Bundle, root: Path) -> Path:
     with tarfile.open(fileobj=io.BytesIO(bundle.tarball), mode="r:gz") as tar:
         tar.extractall(root, filter="data")
     for package in WORKER_PACKAGES:
-        # quiet=2: the gauntlet's syntax_error.py does not compile, on purpose
         compileall.compile_dir(root / package, quiet=2)
     return root
 

@@ -14,9 +14,9 @@ from gpu_pool.executors import run_stage
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Pool, Slot
 from gpu_pool.ssh import connect, run_command
-from harness.job import Job
+from contract.job import Job
 from harness.serve.baselines import ENGINES
-from harness.verdict import PASS
+from contract.verdict import PASS
 
 # Runs on the host with its own Python: what it has, as one JSON line. A missing package
 # is a value in the report, not an error of the check.

@@ -12,9 +12,9 @@ from gpu_pool.local import LocalExecutor, StageRun
 from gpu_pool.pool import Slot
 from gpu_pool.ssh import SSHExecutor, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
-from harness.job import Job
+from contract.job import Job
 from harness.serve import stage
-from harness.serve.job import EngineCandidate, ServeJob
+from contract.serve import EngineCandidate, ServeJob
 
 
 def executor_for(slot: Slot) -> LocalExecutor | SSHExecutor:

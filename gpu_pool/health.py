@@ -11,7 +11,7 @@ import threading
 import time
 
 from gpu_pool.pool import Host, Slot
-from harness.verdict import CRASH, Verdict
+from contract.verdict import CRASH, Verdict
 
 COOL_DOWN_S = 120.0
 

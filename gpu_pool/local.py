@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_pool.pool import Slot
-from harness.job import Job
-from harness.verdict import Verdict
+from contract.job import Job
+from contract.verdict import Verdict
 
 # The folder holding harness/ and engine_templates/: what a worker needs on its PYTHONPATH.
 WORKER_ROOT = Path(__file__).resolve().parent.parent

@@ -25,12 +25,13 @@ import paramiko
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Slot
 from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
-from harness.serve.aiperf import AIPerfError, PatternRun
-from harness.serve.job import EngineCandidate, ServeJob
+from contract.serve import AIPerfError, PatternRun
+from contract.serve import EngineCandidate, ServeJob
 from harness.serve.remote import MARKER_VAR, completion_from_dict, job_to_dict, runs_from_dict
-from harness.serve.server import BALANCER_START_S, ServerError
-from harness.serve.stage import Reference, Served
-from harness.verdict import FAIL, PASS, Verdict
+from harness.serve.server import BALANCER_START_S
+from contract.serve import ServerError
+from contract.serve import Reference, Served
+from contract.verdict import FAIL, PASS, Verdict
 
 POLL_S = 0.2
 ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit
@@ -93,7 +94,7 @@ class SSHServe:
             if len(answers) != len(job.devices):
                 judged.append((False, f"answers from {len(answers)} replicas, {len(job.devices)} were started", {}))
                 return False
-            judged.append(reference.judge(answers, job.accuracy))
+            judged.append(judge_replicas(answers, reference.completions, job.accuracy))
             return judged[0][0]
 
         sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}

@@ -12,8 +12,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from harness.job import Job
-from harness.verdict import Verdict
+from contract.job import Job
+from contract.verdict import Verdict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ WATCHED = [
     ("torch", "cuda.device"), ("torch", "cuda._get_device_index"), ("torch", "cuda.graphs.CUDAGraph"),
 ]
 HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.stages", "harness.channel", "harness.device",
-                   "harness.integrity", "harness.load", "harness.sandbox", "harness.verdict")
+                   "harness.integrity", "harness.load", "harness.sandbox", "contract.verdict")
 
 
 def _resolve(module: str, path: str):

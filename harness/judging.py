@@ -3,23 +3,24 @@ judges against its own oracle, the timings it turns into roofline numbers, and h
 sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import torch
 
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
-from harness import ceilings, device as devices, timing
+from engine_templates import ceilings
+from harness import device as devices, timing
 from harness.channel import CutOff, ProtocolError, read_frame
 from harness.checks import judge
-from harness.job import Job
+from harness.deadline import Deadline
+from contract.job import Job
 from harness.stages import shapes_by_label
-from harness.supervisor import check_plan, fresh_seeds
-from harness.verdict import PASS, ShapeTiming, Verdict
+from contract.verdict import PASS, ShapeTiming, Verdict
 
-if TYPE_CHECKING:
-    from harness.supervisor import Deadline
 
 
 class Judge:
@@ -324,3 +325,19 @@ def speed_of_light(job: Job, v: Verdict) -> None:
                    f"{t.roofline_us:.2f} us allows ({100 * t.roofline_us / t.fastest_us:.0f}% of roofline)")
             return
     v.gate("speed_of_light", True, f"every shape within {job.rules.sol_margin:g}x of the measured roofline")
+
+
+_seeds = random.SystemRandom()
+
+
+def check_plan(job: Job) -> dict:
+    from engine_templates.ops.base import DISTRIBUTIONS
+
+    dists = itertools.cycle(DISTRIBUTIONS)
+    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
+             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
+    return {"calls": calls}
+
+
+def fresh_seeds(n: int) -> list[int]:
+    return [_seeds.getrandbits(62) for _ in range(n)]

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.job import Candidate
+from contract.job import Candidate
 
 
 class Rejected(Exception):
@@ -62,32 +62,3 @@ def load_free(source: str, op, workdir: Path, tag: str) -> Callable[..., Any]:
         raise Rejected("signature", f"the candidate defines no function `{op.name}`")
     check_signature(fn, op.name, op.arg_names)
     return fn
-
-
-def screen_signature(source: str, name: str, arg_names: list[str]) -> str | None:
-    """Without running anything: why this source cannot be an `name(...)` candidate, or None."""
-    import ast
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as e:
-        return f"syntax error at line {e.lineno}: {e.msg}"
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            a = node.args
-            positional = len(a.posonlyargs) + len(a.args)
-            required = positional - len(a.defaults)
-            required_kw = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
-            n = len(arg_names)
-            if required > n or (positional < n and a.vararg is None) or required_kw:
-                got = ", ".join(x.arg for x in a.posonlyargs + a.args)
-                return f"`{name}({got})` does not match the op's signature `{name}({', '.join(arg_names)})`"
-            return None
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
-        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-            return None  # bound by assignment (a wrapped function): checked when loaded
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                (al.asname or al.name) == name for al in node.names):
-            return None
-    return f"defines no top-level function `{name}`"

@@ -32,7 +32,7 @@ def main() -> int:
     from engine_templates.ops import get_op
     from harness import checks, device, integrity, stages, timing  # noqa: F401  (watched below)
     from harness.channel import Sender
-    from harness.job import Job
+    from contract.job import Job
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send

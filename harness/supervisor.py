@@ -23,13 +23,14 @@ import threading
 import time
 from pathlib import Path
 
-from harness.job import Job
+from contract.job import Job
+from harness.deadline import Deadline, kill, kill_descendants, kill_tree
 from harness.limits import MemoryWatchdog
 from harness.screen import screen
-from harness.verdict import Verdict
+from contract.verdict import Verdict
 
 WORKER_ROOT = Path(__file__).resolve().parent.parent
-WATCHED_TREES = ("harness", "engine_templates")
+WATCHED_TREES = ("harness", "engine_templates", "contract")
 # What the sandbox inherits from the environment: enough for torch, Triton and CUDA; no
 # credentials the controller's environment may hold.
 ENV_KEEP = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED",
@@ -37,7 +38,6 @@ ENV_KEEP = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "P
             "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")
 ENV_KEEP_PREFIXES = ("TRITON_", "NVIDIA_", "CUDA_")
 PR_SET_CHILD_SUBREAPER = 36
-_seeds = random.SystemRandom()
 
 
 def supervise(job: Job, scratch: Path) -> Verdict:
@@ -97,74 +97,6 @@ def _sandbox_env(scratch: Path) -> dict[str, str]:
     return env
 
 
-def reserve_s(limit_s: float) -> float:
-    """How long before the controller's limit the harness stops the candidate: time to kill
-    the sandbox, check the trees and write the verdict, and for this process's own start."""
-    return max(2.0, min(10.0, 0.1 * limit_s))
-
-
-class Deadline:
-    """The stage's limit as the harness keeps it: `reserve_s` inside the controller's, so that a
-    candidate that runs too long is killed here and the verdict keeps what was judged and timed
-    before (the controller's kill writes none). No limit when the job has none."""
-
-    def __init__(self, limit_s: float | None, t0: float):
-        self.limit_s, self.t0 = limit_s, t0
-        self.expired_after: float | None = None  # seconds from t0, once the limit struck
-        self.ended_first = False  # the report had ended (every write end closed) before it struck
-        self._pid: int | None = None
-        self._over = False
-        self._lock = threading.Lock()
-        self._timer = None
-        if limit_s is not None:
-            self._timer = threading.Timer(max(0.0, limit_s - reserve_s(limit_s) - (time.perf_counter() - t0)),
-                                          self._expire)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def watch(self, pid: int) -> None:
-        with self._lock:
-            self._pid = pid
-            if self.expired_after is not None:
-                _kill(pid)
-
-    def _expire(self) -> None:
-        with self._lock:
-            if self._over:
-                return
-            self.expired_after = time.perf_counter() - self.t0
-            if self._pid is not None:  # not reaped before cancel(): the pids are still theirs
-                _kill(self._pid)
-                _kill_tree()
-
-    def report_ended(self) -> None:
-        """The report's end was read: the sandbox and all it started are gone. Should the limit
-        strike before the supervisor cancels it, their end was their own, not the limit's. (A
-        sandbox that exits while a fork it left holds the channel has not ended the report.)"""
-        with self._lock:
-            if self.expired_after is None:
-                self.ended_first = True
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._over = True
-        if self._timer:
-            self._timer.cancel()
-
-    @property
-    def struck(self) -> bool:
-        """Whether the limit struck (and the sandbox was killed for it)."""
-        return self.expired_after is not None
-
-    def reading_over(self) -> bool:
-        """Once the limit struck: whether the report has been read for a quarter of the reserve since.
-        What is not in by then is not judged, so that a process the kill missed (one forked
-        while `_kill_tree` looked, as a chain of forks always is), still holding the channel,
-        cannot keep the judge reading into the controller's kill."""
-        return (self.struck
-                and time.perf_counter() - self.t0 >= self.limit_s - 3 * reserve_s(self.limit_s) / 4)
-
-
 class _Report(io.RawIOBase):
     """The report channel's read end: read as it comes, and at its end once `deadline` says
     that reading is over, whatever still holds a write end."""
@@ -208,7 +140,7 @@ class Sandbox:
         os.close(w)
         self.deadline = deadline
         self.deadline.watch(self.proc.pid)
-        self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: _kill(self.proc.pid))
+        self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: kill(self.proc.pid))
         self._write({"device": self.device, "memory_mb": job.rules.memory_mb})
         self.ended = False
 
@@ -242,7 +174,7 @@ class Sandbox:
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
-            judge.read(stream, stop=lambda: _kill(self.proc.pid), go=self._go,
+            judge.read(stream, stop=lambda: kill(self.proc.pid), go=self._go,
                        killed=lambda: self.deadline.struck or self.watchdog.tripped is not None)
         self.end()
         if self.watchdog.tripped:
@@ -254,67 +186,14 @@ class Sandbox:
             return
         self.ended = True
         self.deadline.cancel()
-        _kill(self.proc.pid)
+        kill(self.proc.pid)
         self.proc.wait()
         try:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass  # the process is gone; nothing was left to flush
         self.watchdog.stop()
-        _kill_descendants()
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # already gone
-
-
-def _parents() -> dict[int, int]:
-    """Every process's parent, from /proc."""
-    out = {}
-    # listdir, not Path.glob: glob stats each entry, and a process that exits in between raises
-    # ESRCH from there (outside any handler here), which crashed the harness on a loaded host.
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            out[int(name)] = int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we looked
-    return out
-
-
-def _kill_tree() -> None:
-    """Kill, without reaping, every process below this one: the sandbox and what it started
-    (still its children, or re-parented to us). Unreaped, none of their pids can be reused
-    before `_kill_descendants` waits for them. Their deaths close every copy of the report
-    channel's write end, so that the judge's read ends."""
-    parents, below, me = _parents(), [], os.getpid()
-    level = [pid for pid, parent in parents.items() if parent == me]
-    while level:
-        below += level
-        level = [pid for pid, parent in parents.items() if parent in level and pid not in below]
-    # Parents before children: a shell whose child was killed first could return from `wait`
-    # and exit on its own before its kill (seen in CI: the test's shell exited 0, not -9).
-    for pid in below:
-        _kill(pid)
-
-
-def _kill_descendants() -> None:
-    """Everything the sandbox left behind (re-parented to us as the subreaper)."""
-    me = os.getpid()
-    for _ in range(3):
-        children = [pid for pid, parent in _parents().items() if parent == me]
-        for pid in children:
-            _kill(pid)
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass  # reaped already
-        if not children:
-            return
+        kill_descendants()
 
 
 def _remove_planted(changes: list[str]) -> None:
@@ -328,16 +207,3 @@ def _remove_planted(changes: list[str]) -> None:
         cache = "__pycache__" in Path(path).parts
         if (how in ("added", "changed") and cache) or (how == "added" and not in_checkout):
             Path(path).unlink(missing_ok=True)
-
-
-def check_plan(job: Job) -> dict:
-    from engine_templates.ops.base import DISTRIBUTIONS
-
-    dists = itertools.cycle(DISTRIBUTIONS)
-    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
-             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
-    return {"calls": calls}
-
-
-def fresh_seeds(n: int) -> list[int]:
-    return [_seeds.getrandbits(62) for _ in range(n)]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from engine_templates.ops.base import Template
-from harness.job import Candidate
+from contract.job import Candidate
 
 PENDING = "pending"
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine_templates.ops.base import Template
-from harness.job import Candidate
-from harness.serve.job import EngineCandidate
+from contract.job import Candidate
+from contract.serve import EngineCandidate
 from proposers.base import PENDING, Proposer, Trial
 from proposers.random import RandomProposer
 from proposers.tpe import TPEProposer

@@ -5,7 +5,7 @@ import itertools
 import random
 from typing import Any, Sequence
 
-from harness.job import Candidate
+from contract.job import Candidate
 from proposers.base import Proposer, Trial, point_key
 
 # Above this many points the product is not listed; points are drawn and redrawn instead.

@@ -10,7 +10,7 @@ from optuna.exceptions import ExperimentalWarning
 from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
-from harness.job import Candidate
+from contract.job import Candidate
 from proposers.base import PENDING, Proposer, Trial, point_key
 from proposers.random import RandomProposer
 

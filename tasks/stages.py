@@ -5,7 +5,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from gpu_pool.executors import run_serve, run_stage
-from harness.job import Candidate
+from contract.job import Candidate
 from proposers.base import Trial
 from engine_templates.ops import get_op
 

@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-# The gauntlet suite (harness/gauntlet/<op>/) doubles as the tests' planted candidates.
-CANDIDATES = Path(__file__).resolve().parent.parent / "harness" / "gauntlet"
+# The gauntlet suite (gauntlet/<op>/) doubles as the tests' planted candidates.
+CANDIDATES = Path(__file__).resolve().parent.parent / "gauntlet"
 
 
 @pytest.fixture(scope="session")
@@ -42,16 +42,15 @@ def prefect_server():
 
 def pytest_configure(config):
     """Bytecode for the harness's trees before any test runs: a stage's integrity gate takes
-    a .pyc that appears under harness/ or engine_templates/ while its candidate runs for the
+    a .pyc that appears under contract/, harness/ or engine_templates/ while its candidate runs for the
     candidate's, and with pytest-xdist another worker's first import could write one then.
     Once, in the controlling process (xdist workers carry `workerinput`)."""
     if hasattr(config, "workerinput"):
         return
     import compileall
 
-    root = CANDIDATES.parent.parent
-    for tree in ("harness", "engine_templates"):
-        # quiet=2: the gauntlet's syntax_error.py does not compile, on purpose
+    root = CANDIDATES.parent
+    for tree in ("contract", "harness", "engine_templates"):
         compileall.compile_dir(root / tree, quiet=2)
 
 

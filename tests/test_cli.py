@@ -190,7 +190,7 @@ def test_shape_options_of_a_tiny_preset_fill_in_from_its_tiny_workload():
 def test_every_gpu_class_of_a_pool_file_is_a_target_class():
     from typing import get_args
 
-    from flows.target import GPUClass, Target
+    from targets import GPUClass, Target
     from gpu_pool.pool import GPUClassName
 
     assert set(get_args(GPUClass)) == {"any"} | set(get_args(GPUClassName))

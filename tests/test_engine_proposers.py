@@ -7,8 +7,8 @@ import pytest
 from conftest import CANDIDATES
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE
-from harness.serve.job import EngineCandidate
-from harness.verdict import Verdict
+from contract.serve import EngineCandidate
+from contract.verdict import Verdict
 from proposers.engine import KNOBS, SEARCHES, EngineProposer, EngineTrial
 from tracking.history import engine_trials
 from tracking.ledger import Charge

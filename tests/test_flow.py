@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect.artifacts import Artifact
 
 from flows.optimize_op import optimize_op
-from flows.target import Target
+from targets import Target
 from tracking.history import leaderboard, search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
@@ -65,8 +65,8 @@ def test_a_resumed_optimization_never_repeats_a_candidate(prefect_server, tracki
 def test_no_candidate_starts_that_would_end_after_the_wall_clock():
     from flows.optimize_op import Progress
     from flows.pipeline import Outcome
-    from harness.job import Candidate
-    from harness.verdict import Verdict
+    from contract.job import Candidate
+    from contract.verdict import Verdict
     from tracking.ledger import Charge
 
     progress = Progress(Target(model="tiny", budget={"candidates": 10, "wall_clock_s": 100.0}))

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flows.pipeline import run_stages
-from flows.target import Target
+from targets import Target
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import Host, Slot, local_pool
-from harness.job import Candidate, Job, Rules, Shape
+from contract.job import Candidate, Job, Rules, Shape
 from harness.screen import screen
-from harness.verdict import ShapeTiming, Verdict
+from contract.verdict import ShapeTiming, Verdict
 from tracking.ledger import Charge
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 60})
@@ -142,7 +142,7 @@ def test_shapes_under_a_millisecond_of_roofline_are_timed_by_graph():
     GPU, the large prefill calls included; a call far past it keeps events; a CPU never graphs."""
     from engine_templates.models import PRESETS
     from engine_templates.ops import get_op
-    from harness.job import Rules
+    from contract.job import Rules
     from harness.timing import by_graph
 
     bound, h200_copy = Rules().launch_bound_us, 4.25e6  # bytes a microsecond (../shared/ANCHORS.md)
@@ -220,7 +220,7 @@ def test_cached_ceilings_that_are_not_figures_are_measured_again(monkeypatch, tm
 
 def test_cached_ceilings_must_agree_with_a_quick_measurement():
     """On a GPU the cached figures are checked against a quick measurement every time."""
-    from harness.ceilings import disagreement
+    from engine_templates.ceilings import disagreement
 
     quick = {"copy_bytes_per_s": 4.2e12, "matmul_flops_per_s": 7.5e14}
     assert disagreement({"copy_bytes_per_s": 4.5e12, "matmul_flops_per_s": 6.8e14}, quick) == ""
@@ -311,10 +311,10 @@ def test_the_deadline_kills_what_the_sandbox_started_too():
     import sys
 
     script = ("import os, subprocess, time\n"
-              "from harness import supervisor\n"
+              "from harness import deadline\n"
               "p = subprocess.Popen(['sh', '-c', 'sleep 300 & echo $!; wait'], stdout=subprocess.PIPE, text=True)\n"
               "grandchild = int(p.stdout.readline())\n"
-              "supervisor._kill_tree()\n"
+              "deadline.kill_tree()\n"
               "assert p.wait(timeout=10) == -9, p.returncode\n"
               "for _ in range(100):\n"
               "    try:\n"
@@ -341,7 +341,7 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
 
     from flows.pipeline import jobs_for
     from harness.judging import Judge
-    from harness.supervisor import Deadline
+    from harness.deadline import Deadline
 
     for ended_first in (True, False):
         deadline = Deadline(2.5, time.perf_counter())  # strikes after 0.5 s (2 s reserve); no sandbox to kill
@@ -647,7 +647,7 @@ def test_a_sandbox_killed_over_its_memory_keeps_only_the_timings_whose_outputs_w
 def _deadline(struck_after: float | None):
     """A 20 s stage's deadline, struck after `struck_after` seconds (None: not struck), with no
     timer running."""
-    from harness.supervisor import Deadline
+    from harness.deadline import Deadline
 
     deadline = Deadline(None, 0.0)
     deadline.limit_s, deadline.expired_after = 20.0, struck_after

@@ -1,5 +1,5 @@
 """The gauntlet on this machine: every red-team candidate is rejected by the gate its vector
-names, and every honest candidate passes (shared/GAUNTLET.md; harness/gauntlet/manifest.toml).
+names, and every honest candidate passes (shared/GAUNTLET.md; gauntlet/manifest.toml).
 Real supervisor and sandbox processes, Triton's interpreter when there is no GPU.
 
 CI runs every rmsnorm and silu_mul case. For the engine's other ops (not rope, which the
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from flows.gauntlet import run_case, table, target_for
-from flows.target import Target
+from targets import Target
 from gpu_pool.bundle import current_bundle, unpack
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import local_pool
-from harness.gauntlet import load_cases
+from gauntlet import load_cases
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 120})
 CASES = load_cases()
@@ -58,7 +58,7 @@ def test_case_gets_its_expected_verdict(case, request, bundle_executor):
 
 
 def test_manifest_lists_every_file_and_every_vector():
-    here = Path(__file__).resolve().parent.parent / "harness" / "gauntlet"
+    here = Path(__file__).resolve().parent.parent / "gauntlet"
     listed = {f"{c.op}/{c.file}" for c in CASES if c.file}
     on_disk = {f"{p.parent.name}/{p.name}" for p in here.glob("*/*.py")}
     unused = on_disk - listed - {"rmsnorm/syntax_error.py", "rmsnorm/wrong_signature.py"}  # usage errors
@@ -95,7 +95,7 @@ def test_fused_moe_cases_run_on_the_moe_preset_of_the_models_size_class():
 
 def test_table_marks_a_wrong_verdict():
     from flows.gauntlet import Row
-    from harness.verdict import Verdict
+    from contract.verdict import Verdict
 
     case = next(c for c in CASES if c.gate == "caching")
     passed = Verdict(op=case.op, candidate_id="x")

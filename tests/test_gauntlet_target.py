@@ -7,8 +7,8 @@ import pytest
 from engine_templates.ops import OPS
 from engine_templates.ops.rmsnorm import RMSNorm, token_shapes
 from flows.gauntlet import target_for
-from flows.target import Target
-from harness.gauntlet import Case
+from targets import Target
+from gauntlet import Case
 
 
 class MisreadNorm(RMSNorm):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine_templates.ops import get_op
-from flows.target import Target
-from harness.job import Candidate
+from targets import Target
+from contract.job import Candidate
 from test_gates import evaluate, free
 
 pytestmark = [pytest.mark.gpu,

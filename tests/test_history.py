@@ -10,9 +10,9 @@ from conftest import CANDIDATES
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from flows.cli import main
 from flows.optimize_op import optimize_op
-from flows.target import Target
-from harness.job import Candidate
-from harness.verdict import ShapeTiming, Verdict
+from targets import Target
+from contract.job import Candidate
+from contract.verdict import ShapeTiming, Verdict
 from tracking.history import board, kernel_choices
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker

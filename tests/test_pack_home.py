@@ -1,4 +1,4 @@
-"""infra/pack_home.sh (the GPU scripts' ARCHIVE=): one archive of the results folder, also when
+"""bench/pack_home.sh (the GPU scripts' ARCHIVE=): one archive of the results folder, also when
 the archive lies inside that folder, rewritten on every call."""
 import subprocess
 import tarfile

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from flows.optimize_op import optimize_op, scope_for
-from flows.target import Target
+from targets import Target
 from gpu_pool.leases import ensure_limits, free_slots, lease_group, try_lease
 from gpu_pool.pool import Host, Pool, local_pool
 from gpu_pool.pool_file import PoolFileError, load_pool
-from harness.job import Candidate
+from contract.job import Candidate
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig

@@ -12,7 +12,7 @@ import pytest
 from loopback_sshd import free_port, loopback_hosts, needs_sshd
 
 from flows.optimize_op import optimize_op
-from flows.target import Target
+from targets import Target
 from gpu_pool.bundle import current_bundle
 from gpu_pool.health import HEALTH, HostFault
 from gpu_pool.pool import Pool
@@ -149,7 +149,7 @@ def test_a_sweep_across_hosts_survives_one_dropping_mid_candidate(loopback, pref
 def test_a_hanging_candidate_is_killed_on_the_host_and_recorded_as_a_crash(loopback):
     from flows.pipeline import jobs_for
     from gpu_pool.ssh import SSHExecutor
-    from harness.job import Candidate
+    from contract.job import Candidate
 
     host = loopback.host(loopback.servers[1])
     slot = Pool(hosts=[host]).slots()[0]

@@ -1,4 +1,4 @@
-"""infra/points_probe.py: its grid parsing, and a smoke run on a CPU (Triton's interpreter:
+"""bench/points_probe.py: its grid parsing, and a smoke run on a CPU (Triton's interpreter:
 the times mean nothing there; the check of every point and the output's form are what is tested)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_grid_refuses_what_the_template_cannot_build(text, says):
 
 def test_smoke_run_checks_and_times_every_point():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "infra/points_probe.py", "--op", "fused_add_rmsnorm", "--preset", "tiny",
+    out = subprocess.run([sys.executable, "bench/points_probe.py", "--op", "fused_add_rmsnorm", "--preset", "tiny",
                           "--batches", "2", "--grid", "num_warps=0,2 block_n=0,256"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -46,23 +46,23 @@ def test_smoke_run_checks_and_times_every_point():
 
 
 def test_unknown_op_is_one_line():
-    out = subprocess.run([sys.executable, "infra/points_probe.py", "--op", "nope"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "bench/points_probe.py", "--op", "nope"], cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.strip().startswith("points_probe: no op 'nope'")
 
 
 @pytest.mark.parametrize("script, args, says", [
-    ("infra/diagnostics/stage_vs_probe.py", ["stage", "short"], "stage_vs_probe: needs a CUDA GPU"),
-    ("infra/diagnostics/stage_vs_probe.py", ["sideways"], "MODE is one of stage, stage-first"),
-    ("infra/diagnostics/compile_var.py", ["fresh1"], "compile_var: needs a CUDA GPU"),
-    ("infra/diagnostics/norm_variants.py", ["decode"], "norm_variants: needs a CUDA GPU"),
-    ("infra/diagnostics/norm_variants.py", ["sideways"], "norm_variants: say decode, prefill [rounds] or modes"),
-    ("infra/diagnostics/norm_variants.py", ["prefill", "x"], "prefill takes a count of rounds (1 or more), not 'x'"),
-    ("infra/diagnostics/bench_job.py", ["nope"], "bench_job: name an op: rmsnorm"),
-    ("infra/diagnostics/bench_job.py", ["rmsnorm", "qwen9"], "bench_job: no preset 'qwen9'"),
-    ("infra/diagnostics/fixed_cost.py", [], "fixed_cost: needs a CUDA GPU"),
-    ("infra/diagnostics/fixed_cost.py", ["prefill"], "fixed_cost: takes no arguments"),
-    ("infra/diagnostics/silu_persistent.py", [], "silu_persistent: needs a CUDA GPU"),
+    ("bench/diagnostics/stage_vs_probe.py", ["stage", "short"], "stage_vs_probe: needs a CUDA GPU"),
+    ("bench/diagnostics/stage_vs_probe.py", ["sideways"], "MODE is one of stage, stage-first"),
+    ("bench/diagnostics/compile_var.py", ["fresh1"], "compile_var: needs a CUDA GPU"),
+    ("bench/diagnostics/norm_variants.py", ["decode"], "norm_variants: needs a CUDA GPU"),
+    ("bench/diagnostics/norm_variants.py", ["sideways"], "norm_variants: say decode, prefill [rounds] or modes"),
+    ("bench/diagnostics/norm_variants.py", ["prefill", "x"], "prefill takes a count of rounds (1 or more), not 'x'"),
+    ("bench/diagnostics/bench_job.py", ["nope"], "bench_job: name an op: rmsnorm"),
+    ("bench/diagnostics/bench_job.py", ["rmsnorm", "qwen9"], "bench_job: no preset 'qwen9'"),
+    ("bench/diagnostics/fixed_cost.py", [], "fixed_cost: needs a CUDA GPU"),
+    ("bench/diagnostics/fixed_cost.py", ["prefill"], "fixed_cost: takes no arguments"),
+    ("bench/diagnostics/silu_persistent.py", [], "silu_persistent: needs a CUDA GPU"),
 ])
 def test_diagnostics_say_what_they_need(script, args, says):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
@@ -72,10 +72,10 @@ def test_diagnostics_say_what_they_need(script, args, says):
 
 
 def test_stage_vs_probe_writes_the_bench_job_the_harness_reads():
-    from harness.job import Job
+    from contract.job import Job
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "infra/diagnostics/stage_vs_probe.py", "job", "short"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "bench/diagnostics/stage_vs_probe.py", "job", "short"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     job = Job.from_json(out.stdout)
     assert (job.stage, job.candidate.op, [s.label for s in job.shapes]) == \
@@ -83,10 +83,10 @@ def test_stage_vs_probe_writes_the_bench_job_the_harness_reads():
 
 
 def test_bench_job_is_the_template_default_at_the_prefill_shapes():
-    from harness.job import Job
+    from contract.job import Job
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "infra/diagnostics/bench_job.py", "fused_add_rmsnorm"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "bench/diagnostics/bench_job.py", "fused_add_rmsnorm"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     job = Job.from_json(out.stdout)
     assert (job.stage, job.model, job.candidate.template, [s.label for s in job.shapes]) == \

@@ -6,7 +6,7 @@ import pytest
 from engine_templates.ops.base import Template
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE
-from harness.job import Candidate
+from contract.job import Candidate
 from proposers import PROPOSERS, make_proposer
 from proposers.base import PENDING, Trial, point_key
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.job import Candidate
+from contract.job import Candidate
 from harness.timing import ROTATION_CAP, rotation_count
-from harness.verdict import ShapeTiming, Verdict
+from contract.verdict import ShapeTiming, Verdict
 from tracking.history import search
 from tracking.ledger import Charge
 from tracking.report import report

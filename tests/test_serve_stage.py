@@ -25,11 +25,12 @@ from loopback_sshd import SSHD, loopback_hosts
 from tiny_checkpoints import checkpoint
 
 from flows.cli import main
-from harness.serve.accuracy import Completion, judge
-from harness.serve.aiperf import METRICS, PatternRun
-from harness.serve.job import AccuracyRules
-from harness.serve.stage import Served, compare
-from harness.verdict import Verdict
+from harness.serve.accuracy import judge
+from contract.serve import Completion
+from contract.serve import METRICS, PatternRun
+from contract.serve import AccuracyRules
+from contract.serve import Served, compare
+from contract.verdict import Verdict
 
 FAKES = Path(__file__).resolve().parent / "serve_fakes"
 # One small pattern: AIPerf's own start-up (~10 s) dominates; the requests are a second's work.
@@ -158,7 +159,7 @@ def test_completions_planted_on_the_host_before_the_worker_writes_fail_the_gate(
 
 def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(prefect_server, tracking_home):
     from flows.optimize_engine import optimize_engine
-    from flows.target import Target
+    from targets import Target
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
 
@@ -232,7 +233,7 @@ def test_aiperf_counts_the_tokens_a_server_streams_not_those_its_usage_claims(tm
     from tokenizers import Tokenizer
 
     from harness.serve import aiperf
-    from harness.serve.job import Pattern
+    from contract.serve import Pattern
     from harness.serve.server import ServerProcess
     from loopback_sshd import free_port
 
@@ -307,7 +308,7 @@ def test_replicas_no_host_can_run_are_one_line(capsys, tmp_path, replicas, messa
 
 def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tmp_path):
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import ServeSetupError, SSHServe
 
@@ -326,10 +327,10 @@ def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tm
 
 def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_host, tmp_path):
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import SSHServe
-    from harness.serve.server import ServerError
+    from contract.serve import ServerError
 
     host, _ = pool_host
     slot = Pool(hosts=[host]).slots()[0]
@@ -357,7 +358,7 @@ def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
     import threading
 
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.health import HostFault
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import SSHServe
@@ -396,7 +397,7 @@ def test_a_pool_hosts_gpus_go_one_to_each_replica_there():
     """The job of a leased group on a GPU host: each replica its own GPU of the group, the host's
     python, the model directory as a path there; and it crosses the wire to the host intact."""
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.pool import Host, Pool
     from harness.serve.remote import job_from_dict, job_to_dict
 
@@ -421,7 +422,7 @@ def test_a_baseline_named_by_engine_expands_to_its_server_command():
     """`vllm` and `sglang` become that engine's server on the job's checkpoint, run by the job's
     python, on loopback, with the target's dtype and context length; a command stays a command."""
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.pool import Host, Pool
     from harness.serve.stage import baseline_argv
 
@@ -478,11 +479,11 @@ def test_a_fake_vllm_on_a_hosts_python_is_detected_and_its_serve_command_runs_th
     with the expanded arguments there (the fake prints them and exits 3). The same host lacks
     sglang: one line before the run, and the session's own check refuses it too."""
     from flows.serve_pipeline import job_for
-    from flows.target import Target
+    from targets import Target
     from gpu_pool.check import probe, serve_problems
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import ServeSetupError, SSHServe
-    from harness.serve.server import ServerError
+    from contract.serve import ServerError
 
     site = tmp_path / "site"
     cli = site / "vllm" / "entrypoints" / "cli"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from mlflow.entities import Run, ViewType
 
-from harness.job import Candidate
-from harness.serve.job import EngineCandidate
+from contract.job import Candidate
+from contract.serve import EngineCandidate
 from proposers.base import PENDING, Trial
 from proposers.engine import EngineTrial
 from tracking.schema import T, RunScope, Tracker

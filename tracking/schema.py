@@ -22,9 +22,9 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from harness.job import Candidate
-from harness.serve.job import EngineCandidate
-from harness.verdict import CRASH, Verdict
+from contract.job import Candidate
+from contract.serve import EngineCandidate
+from contract.verdict import CRASH, Verdict
 from tracking.ledger import Charge
 from tracking.store import TrackingConfig, client, experiment_id
 

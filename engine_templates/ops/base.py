@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from engine_templates.models import ModelDims
-from harness.job import Shape
+from contract.job import Shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -9,16 +9,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serve.job import AccuracyRules
+from contract.serve import AccuracyRules, Completion
 
 REFERENCE_TOP = 5  # alternatives asked of the reference, to tell a near-tie from a wrong token
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    top: list[dict[int, float]]  # the reference's alternatives per token; empty for a candidate
 
 
 def prompt_set(model_dir: Path, rules: AccuracyRules, rng: random.Random) -> list[list[int]]:

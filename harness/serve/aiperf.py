@@ -11,32 +11,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.serve.job import Pattern
+from contract.serve import METRICS, AIPerfError, Pattern, PatternRun
 
-# name: (AIPerf metric, statistic, higher is better). Latencies at the median and p90; the
-# tail of a throughput is its low end, so per-user throughput at the median and p10.
-METRICS = {
-    "ttft_p50_ms": ("time_to_first_token", "p50", False),
-    "ttft_p90_ms": ("time_to_first_token", "p90", False),
-    "itl_p50_ms": ("inter_token_latency", "p50", False),
-    "itl_p90_ms": ("inter_token_latency", "p90", False),
-    "output_tps": ("output_token_throughput", "avg", True),
-    "output_tps_per_user_p50": ("output_token_throughput_per_user", "p50", True),
-    "output_tps_per_user_p10": ("output_token_throughput_per_user", "p10", True),
-}
 EXPORT = "profile_export_aiperf.json"
-
-
-class AIPerfError(Exception):
-    pass
-
-
-@dataclass
-class PatternRun:
-    pattern: str
-    metrics: dict[str, float]
-    errors: int  # requests that failed
-    out_dir: Path
 
 
 def aiperf_command() -> str:

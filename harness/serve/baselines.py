@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from harness.serve.job import ServeJob
+from contract.serve import BASELINE_ENGINES, ServeJob
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the names both engines take
 
@@ -39,6 +39,7 @@ class Engine:
 
 ENGINES = {"vllm": Engine("vllm", "vllm.entrypoints.cli.main serve", _vllm),
            "sglang": Engine("sglang", "sglang.launch_server", _sglang)}
+assert tuple(ENGINES) == BASELINE_ENGINES, "contract.serve.BASELINE_ENGINES names the engines started here"
 
 
 def missing(name: str) -> str | None:

@@ -32,11 +32,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from harness.serve import aiperf
-from harness.serve.accuracy import Completion
+from contract.serve import Completion
 from harness.serve.baselines import ENGINES, missing as engine_missing
-from harness.serve.job import AccuracyRules, EngineCandidate, Pattern, ServeJob
-from harness.serve.server import ServerError
-from harness.serve.stage import Reference, measure_baseline, reference_answers, serve
+from contract.serve import AccuracyRules, EngineCandidate, Pattern, ServeJob
+from contract.serve import ServerError
+from harness.serve.stage import measure_baseline, reference_answers, serve
+from contract.serve import Reference
 
 MARKER_VAR = "INFERSMITH_SERVE_SESSION"  # inherited by every process a session starts: how `kill` finds them
 DECISION_WAIT_S = 120.0  # the controller answers within a poll; longer means it is gone

@@ -11,12 +11,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
+from contract.serve import ServerError
 
 POLL_S = 0.5
-
-
-class ServerError(Exception):
-    """The server did not come up, or went away; the message names why and ends in its log."""
 
 
 def free_ports(n: int) -> list[int]:

@@ -17,25 +17,14 @@ from pathlib import Path
 from typing import Callable
 
 from harness.serve import aiperf
-from harness.serve.accuracy import REFERENCE_TOP, Completion, complete, judge, prompt_set
+from harness.serve.accuracy import REFERENCE_TOP, complete, judge, prompt_set
+from contract.serve import EngineCandidate, Reference, Served, ServeJob
 from harness.serve.baselines import ENGINES
-from harness.serve.job import EngineCandidate, ServeJob
-from harness.serve.server import Replicas, ServerError, ServerProcess
-from harness.verdict import PASS, Verdict
+from harness.serve.server import Replicas, ServerProcess
+from contract.verdict import PASS, Verdict
 
 SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
-
-
-@dataclass
-class Reference:
-    prompts: list[list[int]]
-    completions: list[Completion]
-
-    def judge(self, replicas: list[list[Completion]], rules) -> tuple[bool, str, dict]:
-        """The accuracy gate on every replica's completions. A method so that a pool host, which
-        must never hold the reference's answers, can ask the controller instead (harness/serve/remote.py)."""
-        return judge_replicas(replicas, self.completions, rules)
 
 
 def judge_replicas(replicas: list[list[Completion]], expected: list[Completion], rules) -> tuple[bool, str, dict]:
@@ -56,15 +45,6 @@ def judge_replicas(replicas: list[list[Completion]], expected: list[Completion],
         ties += metrics["accuracy/near_ties"]
     return True, "; ".join(details), {"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
                                       "accuracy/near_ties": ties}
-
-
-@dataclass
-class Served:
-    """One server's evaluation: the verdict and, per pattern it finished, AIPerf's metrics."""
-
-    verdict: Verdict
-    runs: dict[str, aiperf.PatternRun] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def reference_argv(job: ServeJob, port: int) -> list[str]:
@@ -194,40 +174,7 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
                 result.verdict.gate("accuracy", False, f"{f'replica {k}: ' if several else ''}no usable greedy "
                                                        f"completion with logprobs: {type(e).__name__}: {e}")
             return
-    passed, detail, metrics = reference.judge(got, job.accuracy)
+    passed, detail, metrics = judge_replicas(got, reference.completions, job.accuracy)
     result.metrics.update(metrics)
     result.verdict.gate("accuracy", passed, detail)
-
-
-def compare(result: Served, baseline: dict[str, aiperf.PatternRun], margin: float) -> None:
-    """The all-metrics gate: on every pattern, every metric at least `margin` better than the
-    baseline's. A metric missing, or not above zero, on either side fails it: a latency of 0 (all
-    tokens in one read) or a throughput of 0 is no measurement to beat. Adds per pattern
-    `<pattern>/<metric>`, `baseline_<metric>`, `vs_baseline_<metric>` (>1: better; only where both
-    are measured), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics."""
-    short, ratios = [], []
-    for pattern, run in result.runs.items():
-        for name, (_, _, higher) in aiperf.METRICS.items():
-            c, b = run.metrics.get(name), baseline[pattern].metrics.get(name)
-            if c is None or b is None:
-                short.append(f"{pattern}/{name} (not measured)")
-                continue
-            result.metrics |= {f"{pattern}/{name}": c, f"{pattern}/baseline_{name}": b}
-            if not (0 < c < math.inf and 0 < b < math.inf):
-                short.append(f"{pattern}/{name} {c:.4g} vs baseline {b:.4g} (not a measurement: each must be "
-                             "above 0)")
-                continue
-            ratio = c / b if higher else b / c
-            result.metrics[f"{pattern}/vs_baseline_{name}"] = ratio
-            ratios.append(ratio)
-            needed = b * (1 + margin) if higher else b * (1 - margin)
-            if (c < needed) if higher else (c > needed):
-                short.append(f"{pattern}/{name} {c:.4g} vs baseline {b:.4g} (needs {'≥' if higher else '≤'} {needed:.4g})")
-    if ratios:
-        result.metrics["score"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        result.metrics["worst_vs_baseline"] = min(ratios)
-    total = len(result.runs) * len(aiperf.METRICS)
-    detail = (f"every one of {total} metrics beats the baseline by {margin:.0%}" if not short else
-              f"{len(short)} of {total} metrics short of the baseline by {margin:.0%}: " + "; ".join(short))
-    result.verdict.gate("all_metrics", not short, detail)
 

@@ -3,7 +3,7 @@ shape, in one process, each figure also as a fraction of its weight-bytes roofli
 
 Per preset: random weights drawn on the device; transformers' model built around the same
 tensors (no second copy, so a 61 GB model fits once); the copy bandwidth and matmul rate
-measured in this run (harness/ceilings.py). Then per engine variant (a kernels file, or
+measured in this run (engine_templates/ceilings.py). Then per engine variant (a kernels file, or
 `eager`: every op's PyTorch baseline) the agreement check — CUDA graphs against
 --enforce-eager, and both against HF — and the timed phases (measure.py); HF's phases after
 the first variant. Each variant is freed before the next. A variant that fails is recorded with its error and the rest
@@ -193,7 +193,7 @@ def device_info(device: str) -> dict:
 
 def run(opts: BenchOptions) -> int:
     """Runs every preset, writes the JSON and the markdown; 1 if any system failed."""
-    from harness.ceilings import measure
+    from engine_templates.ceilings import measure
 
     opts.out.mkdir(parents=True, exist_ok=True)
     info = device_info(opts.device)

@@ -23,7 +23,7 @@ from engine_templates.engine.kernels import parse_kernels_file
 from engine_templates.engine.loader import random_weights
 from engine_templates.engine.sequence import SamplingParams
 from engine_templates.models import PRESETS
-from harness.ceilings import measure
+from engine_templates.ceilings import measure
 
 
 def _engine(cfg: ModelConfig, weights, kernels, batch: int, context: int, steps: int, eager: bool,

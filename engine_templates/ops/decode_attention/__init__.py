@@ -15,7 +15,7 @@ import torch
 
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
-from harness.job import Shape
+from contract.job import Shape
 
 SPLIT_KV_TEMPLATE = Template(
     name="split_kv",

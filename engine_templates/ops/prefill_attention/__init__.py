@@ -18,7 +18,7 @@ import torch
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
 from engine_templates.ops.decode_attention import GARBAGE_ROWS, PAGE_SIZE, seq_lens_for
-from harness.job import Shape
+from contract.job import Shape
 
 FLASH_TEMPLATE = Template(
     name="flash",

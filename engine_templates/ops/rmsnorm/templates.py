@@ -42,7 +42,7 @@ def _rmsnorm_rows(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps,
 
 def auto_warps(n_cols: int) -> int:
     """Warps for a row of n_cols: 16 elements of the power-of-two row a thread, 4 to 16 warps.
-    Measured on an H200 (docs/BENCHMARKS.md, 2026-12-04, infra/points_probe.py): the fastest
+    Measured on an H200 (docs/BENCHMARKS.md, 2026-12-04, bench/points_probe.py): the fastest
     whole-row warp count at every decode batch of both presets; 8 for qwen3-8b's 4,096 (rmsnorm
     1.16-1.25x torch.compile, where 4 warps, the old default, trailed it at 0.94-0.97x) and 4 for
     qwen3-30b-a3b's 2,048; at prefill within 3% of the best point of the grid."""

@@ -15,7 +15,7 @@ import torch
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
 from engine_templates.ops.rmsnorm import token_shapes
-from harness.job import Shape
+from contract.job import Shape
 
 ROWS_TEMPLATE = Template(
     name="rows",

@@ -4,9 +4,9 @@
 # GPU, under CKPT_ROOT), then `infersmith serve-bench` of the engine against the HF transformers
 # reference server under AIPerf, every pattern of the serving file.
 # Usage (repo root, wheels in .whl/ from infra/controller_wheels.sh):
-#   OUT=dir [MODELS="qwen3-8b"] [SERVING=infra/serving-h200-short.yaml]
+#   OUT=dir [MODELS="qwen3-8b"] [SERVING=bench/serving-h200-short.yaml]
 #   [KERNELS=engine_templates/engine/bench/templates.json] [CKPT_ROOT=/dev/shm]
-#   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] bash infra/serve_bench_gpu.sh
+#   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] bash bench/serve_bench_gpu.sh
 # SERVING= (empty) uses the preset's own traffic; KERNELS= (empty) serves every op eager (the
 # default file takes each op's Triton template default); DEVICE is where the random weights are drawn.
 # CKPT_ROOT defaults to /dev/shm: qwen3-8b is 16 GB, qwen3-30b-a3b 61 GB, more than a small disk
@@ -17,7 +17,7 @@ out=${OUT:?set OUT to a folder for the results}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
 trap pack_home EXIT  # also when a time limit interrupts the run: what finished comes back
-serving=${SERVING-infra/serving-h200-short.yaml}
+serving=${SERVING-bench/serving-h200-short.yaml}
 kernels=${KERNELS-engine_templates/engine/bench/templates.json}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$out/serve.log"
 for model in ${MODELS:-qwen3-8b}; do

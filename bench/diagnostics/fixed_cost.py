@@ -1,7 +1,7 @@
 """Diagnostic (tenth session, docs/BENCHMARKS.md): what a call's time is made of at the prefill
 shapes where a norm misses 88% of copy bandwidth, beside a device copy of the same bytes.
 
-    python3 infra/diagnostics/fixed_cost.py
+    python3 bench/diagnostics/fixed_cost.py
 
 For each shape, four functions move the same bytes: `memcpy` (torch's clone of a bf16 buffer of
 half the op's bytes: a copy node in the graph), `triton copy` (the same copy as a Triton kernel),
@@ -16,7 +16,7 @@ the op's template default and torch.compile of its eager form. Each is timed fou
   (the profiler stays attached once started, and its callbacks would cost the later launches).
 From these: launch/replay = (harness - passes) x sets, the graph launch's cost to one replay;
 boundary = passes - kernel, what one call costs beyond its own kernel inside a graph.
-Percentages are of the copy bandwidth harness.ceilings.measure reports in the same process.
+Percentages are of the copy bandwidth engine_templates.ceilings.measure reports in the same process.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from points_probe import kernel_us
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
-from harness.ceilings import measure
-from harness.job import Rules
+from engine_templates.ceilings import measure
+from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 
@@ -102,7 +102,7 @@ def main() -> None:
     method = Method("cuda", rules.warmup_ms, rules.rep_ms, graph=True)
     ceiling = measure("cuda")["copy_bytes_per_s"]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"copy ceiling {ceiling / 1e12:.3f} TB/s (harness.ceilings.measure); L2 {l2 / 1e6:.1f} MB", flush=True)
+          f"copy ceiling {ceiling / 1e12:.3f} TB/s (engine_templates.ceilings.measure); L2 {l2 / 1e6:.1f} MB", flush=True)
     cases = []
     for opname, preset, tokens in SHAPES:
         op = OPS[opname]

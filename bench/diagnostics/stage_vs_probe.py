@@ -2,7 +2,7 @@
 bench stage run in this process (no supervisor, no sandbox) against the probes' way of timing.
 
 Usage (a GPU host, repo root):
-    python3 infra/diagnostics/stage_vs_probe.py MODE [short] [fraction] [netns]
+    python3 bench/diagnostics/stage_vs_probe.py MODE [short] [fraction] [netns]
 MODE: "stage" (the bench stage alone), "stage-first" / "probe-first" (the stage and two probe
 passes, in that order), "job" (print the bench job as JSON, for `python -m harness JOB --out V`).
 short: decode batches 8, 32, 128 only (default 1, 8, 32, 128 and prefill 2048, 16384);
@@ -16,9 +16,9 @@ from points_probe import kernel_us
 from engine_templates.models import PRESETS
 from engine_templates.ops.silu_mul import OP, FLAT_TEMPLATE
 from engine_templates.ops.base import generator
-from harness.job import Job, Candidate
+from contract.job import Job, Candidate
 from harness import stages
-from harness.supervisor import fresh_seeds
+from harness.judging import fresh_seeds
 from harness.timing import Method, by_graph, median_us, rotation_count
 
 order = sys.argv[1] if len(sys.argv) > 1 else ""

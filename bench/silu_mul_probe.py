@@ -14,7 +14,7 @@ can be told apart as kernel time or launch time.
 Timed as the harness times candidates (harness.timing.median_us) and back to back ("ahead",
 see decode_attention_probe.py). Every line's output is checked against the op's reference.
 
-Usage (a GPU host, repo root): python3 infra/silu_mul_probe.py [--preset qwen3-30b-a3b]
+Usage (a GPU host, repo root): python3 bench/silu_mul_probe.py [--preset qwen3-30b-a3b]
     [--batches 1,8,32,128] [--code]
 """
 from __future__ import annotations

@@ -10,8 +10,8 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativ
 
 from engine_templates.models import PRESETS, ModelDims
 from gpu_pool.pool import GPUClassName
-from harness.job import Rules
-from harness.serve.job import AccuracyRules, Pattern
+from contract.job import Rules
+from contract.serve import AccuracyRules, Pattern
 
 GPUClass = Literal["any", GPUClassName]  # "any", or a class a pool file's host may have
 DType = Literal["bf16", "fp16", "fp32"]

@@ -16,7 +16,7 @@ device time (CUPTI), without the gaps between launches, tells a kernel slower th
 a launch that is.
 
 Usage (a GPU host, repo root):
-    python3 infra/points_probe.py --op rmsnorm --preset qwen3-8b --batches 1,8,32,128
+    python3 bench/points_probe.py --op rmsnorm --preset qwen3-8b --batches 1,8,32,128
         [--prefill 2048,16384] [--contexts 4096] [--template rows]
         [--grid "num_warps=2,4,8,16 block_n=0,1024"] [--copy-tbps 4.25]
 Prints per shape one line per variant: µs, % of the roofline bytes at --copy-tbps (default the
@@ -35,7 +35,7 @@ from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from harness.checks import check_call
-from harness.job import Rules
+from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

@@ -1,4 +1,4 @@
-# Sourced by infra/gpu_env.sh (needs `out` and INFERSMITH_HOME): pack_home leaves the tracking
+# Sourced by bench/gpu_env.sh (needs `out` and INFERSMITH_HOME): pack_home leaves the tracking
 # store in $out/home.tgz and, with ARCHIVE set, everything in `out` in one more file (tar.gz),
 # rewritten each time: a device that returns only a few files per call (the lent H200: 8) gets
 # one that holds them all.

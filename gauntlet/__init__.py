@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.job import Candidate
+from contract.job import Candidate
 
 HERE = Path(__file__).parent
 STATUSES = ("pass", "fail", "crash")

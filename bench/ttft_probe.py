@@ -14,7 +14,7 @@ one thing at a time between the two:
   + engine thread   the same, prompts submitted through EngineLoop's thread, as the server does
   + keep-warm       the idle gap spent with the GPU kept busy by a small kernel loop
 
-Usage (a GPU host, repo root): python3 infra/ttft_probe.py [--preset qwen3-8b] [--kernels FILE]
+Usage (a GPU host, repo root): python3 bench/ttft_probe.py [--preset qwen3-8b] [--kernels FILE]
     [--tokens 512] [--reps 5] [--idle 0.5] [--max-model-len 40960]
 Prints one line per variant: the median and every rep in ms.
 """

@@ -4,7 +4,7 @@ default point, timed as the harness times (CUDA graph over rotated sets) and by 
 time. Run it in several processes, with Inductor's caches off, to see which kernel Inductor's
 autotuner picks in each:
 
-    for i in 1 2 3 4; do TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python3 infra/diagnostics/compile_var.py fresh$i; done
+    for i in 1 2 3 4; do TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python3 bench/diagnostics/compile_var.py fresh$i; done
 
 The argument is a tag printed at the start of each line.
 """

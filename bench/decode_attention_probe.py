@@ -25,7 +25,7 @@ output as the graph's last replay left it, so a fast point that combines wrongly
 Percentages are of the shape's roofline bytes at the copy bandwidth given (--copy-tbps, default
 the H200's measured 4.25 TB/s, ../shared/ANCHORS.md).
 
-Usage (a GPU host, repo root): python3 infra/decode_attention_probe.py [--presets qwen3-8b,...]
+Usage (a GPU host, repo root): python3 bench/decode_attention_probe.py [--presets qwen3-8b,...]
     [--contexts 4096,32768] [--quick]
 Prints one line per variant: harness timing (us, % of roofline), the ahead timing, and for
 the op's implementations the relative error against the reference.

@@ -2,10 +2,10 @@
 variants of itself and against torch.compile, timed as the harness times (CUDA graph over rotated
 sets) and by CUPTI kernel time.
 
-    python3 infra/diagnostics/norm_variants.py decode        # both presets, both norms, decode batches
-    python3 infra/diagnostics/norm_variants.py prefill [N]   # rmsnorm qwen3-8b prefill_16384, N rounds,
+    python3 bench/diagnostics/norm_variants.py decode        # both presets, both norms, decode batches
+    python3 bench/diagnostics/norm_variants.py prefill [N]   # rmsnorm qwen3-8b prefill_16384, N rounds,
                                                              # each by CUDA graph and by events
-    python3 infra/diagnostics/norm_variants.py modes         # fused_add_rmsnorm qwen3-8b decode_b8:
+    python3 bench/diagnostics/norm_variants.py modes         # fused_add_rmsnorm qwen3-8b decode_b8:
                                                              # torch.compile's modes, one process each time
 
 The variants: `base` is the template's kernel as committed before this session (the weight loaded
@@ -41,7 +41,7 @@ from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from engine_templates.ops.rmsnorm.templates import auto_warps
 from harness.checks import check_call
-from harness.job import Rules
+from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

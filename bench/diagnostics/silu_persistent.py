@@ -4,11 +4,11 @@ programs per SM, each looping over blocks, removes the per-call cost that keeps 
 under 88% of copy bandwidth at qwen3-30b-a3b. Timed as the harness times (a CUDA graph over
 rotated input sets); every variant is checked against the float64 reference first.
 
-    python3 infra/diagnostics/silu_persistent.py
+    python3 bench/diagnostics/silu_persistent.py
 
 Run as a scratch script (.device/persist.py) in the tenth session; committed with a refusal
 without a GPU, and without its line for a copy of the same bytes (that line read one source
-buffer for every input set, so the L2 could serve it: infra/diagnostics/fixed_cost.py measures
+buffer for every input set, so the L2 could serve it: bench/diagnostics/fixed_cost.py measures
 the copy properly).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from harness.checks import check_call
-from harness.job import Rules
+from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

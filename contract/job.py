@@ -5,6 +5,7 @@ models; the worker side reads them with the standard library only.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
@@ -126,3 +127,30 @@ class Job:
             device=d["device"],
             limit_s=d.get("limit_s"),
         )
+
+
+def screen_signature(source: str, name: str, arg_names: list[str]) -> str | None:
+    """Without running anything: why this source cannot be an `name(...)` candidate, or None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return f"syntax error at line {e.lineno}: {e.msg}"
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            a = node.args
+            positional = len(a.posonlyargs) + len(a.args)
+            required = positional - len(a.defaults)
+            required_kw = [k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+            n = len(arg_names)
+            if required > n or (positional < n and a.vararg is None) or required_kw:
+                got = ", ".join(x.arg for x in a.posonlyargs + a.args)
+                return f"`{name}({got})` does not match the op's signature `{name}({', '.join(arg_names)})`"
+            return None
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return None  # bound by assignment (a wrapped function): checked when loaded
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                (al.asname or al.name) == name for al in node.names):
+            return None
+    return f"defines no top-level function `{name}`"

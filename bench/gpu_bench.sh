@@ -3,7 +3,7 @@
 # package index: installs the carried controller wheels (infra/controller_wheels.sh), runs
 # `infersmith optimize` for each op and model, and leaves the tracking store and a report.
 # Usage (repo root, wheels in .whl/):
-#   OUT=dir [RESTORE=home.tgz] [ARCHIVE=file.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash infra/gpu_bench.sh
+#   OUT=dir [RESTORE=home.tgz] [ARCHIVE=file.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash bench/gpu_bench.sh
 # OP_TIMEOUT: one op's wall-clock budget (no candidate starts that would end after it); a
 # stage still running HARD_MARGIN (180) s later is interrupted. Finished candidates stay tracked.
 # The hard limit counts from the start of `infersmith optimize`, which on a fresh host spends ~60 s

@@ -2,7 +2,7 @@
 the op's template default at the preset's prefill shapes, so that one stage can be run through
 supervisor and sandbox without a flow:
 
-    python3 infra/diagnostics/bench_job.py rmsnorm [qwen3-8b] > job.json
+    python3 bench/diagnostics/bench_job.py rmsnorm [qwen3-8b] > job.json
     python3 -m harness job.json --out verdict.json
 
 Run as `.device/job_rms.py` in the ninth session (the preset fixed at qwen3-8b); committed with
@@ -12,7 +12,7 @@ import sys
 
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
-from harness.job import Candidate, Job
+from contract.job import Candidate, Job
 
 if len(sys.argv) < 2 or sys.argv[1] not in OPS:
     raise SystemExit(f"bench_job: name an op: {', '.join(OPS)}")
