@@ -25,10 +25,10 @@ import itertools
 import torch
 import triton
 import triton.language as tl
-from torch._inductor.utils import run_and_get_code
-
 from decode_attention_probe import ahead_us
 from points_probe import kernel_us
+from torch._inductor.utils import run_and_get_code
+
 from engine_templates.models import PRESETS
 from engine_templates.ops.base import generator
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE, OP

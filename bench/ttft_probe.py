@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -144,8 +143,8 @@ def main() -> int:
           flush=True)
     report("server config", in_process(server, batch, 0, False)[1:])
     report(f"server config + idle {args.idle} s", in_process(server, batch, args.idle, False))
-    report(f"server config + idle, keep-warm", in_process(server, batch, args.idle, True))
-    report(f"server config + idle + engine thread", through_thread(server, batch, args.idle))
+    report("server config + idle, keep-warm", in_process(server, batch, args.idle, True))
+    report("server config + idle + engine thread", through_thread(server, batch, args.idle))
     report("server config + engine thread, no idle", through_thread(server, batch, 0.0))
     return 0
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from contract.verdict import Verdict
 
-
 # The serving engines a target may name as its baseline besides "reference" (the HF server) or a
 # shell command; harness/serve/baselines.py says how each is started.
 BASELINE_ENGINES = ("vllm", "sglang")

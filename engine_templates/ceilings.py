@@ -112,7 +112,7 @@ def _measure_cuda(mm_dtype: torch.dtype, copy_reps: int, mm_reps: int) -> dict:
     n_bytes = 2 << 30  # 2 GiB each way: far past L2
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    copy_s = _events_median_s(lambda: dst.copy_(src), reps=copy_reps)
+    copy_s = _events_median_s(lambda: dst.copy_(src), reps=copy_reps)  # noqa: F821 (deleted below, after the lambda ran)
     del src, dst
     n = 8192
     a = torch.randn(n, n, dtype=mm_dtype, device="cuda")

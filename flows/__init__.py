@@ -1,0 +1,1 @@
+"""The Prefect flows: they only orchestrate (loop, budget, stop rules, fan-out) over tasks/."""

@@ -5,12 +5,12 @@ import json
 
 from prefect import flow
 
+from contract.job import Candidate
 from flows.optimize_op import scope_for
-from flows.pipeline import evaluate, one_line
-from targets import Target
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
-from contract.job import Candidate
+from targets import Target
+from tasks.evaluate import evaluate, one_line
 from tracking.schema import Tracker
 from tracking.store import TrackingConfig
 

@@ -20,14 +20,14 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from contract.verdict import PASS, Verdict
 from engine_templates.models import PRESETS
 from engine_templates.ops import get_op
-from flows.pipeline import run_stages
-from targets import Target, is_tiny
+from gauntlet import Case
 from gpu_pool.executors import LocalExecutor, SSHExecutor, executor_for
 from gpu_pool.pool import Slot
-from gauntlet import Case
-from contract.verdict import PASS, Verdict
+from targets import Target, is_tiny
+from tasks.evaluate import run_stages
 from tracking.ledger import Charge
 
 

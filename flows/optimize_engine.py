@@ -10,15 +10,15 @@ from pathlib import Path
 
 from prefect import flow
 
+from contract.serve import METRICS, EngineCandidate
+from contract.verdict import PASS
 from flows.optimize_op import ProposerName
-from flows.serve_pipeline import Baseline, EngineOutcome, evaluate_engine, one_line, reference_task
-from targets import Target
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
-from contract.serve import METRICS
-from contract.serve import EngineCandidate
-from contract.verdict import PASS
 from proposers.engine import EngineProposer
+from targets import Target
+from tasks.reference import reference_task
+from tasks.serve import Baseline, EngineOutcome, evaluate_engine, one_line
 from tracking.history import engine_trials, kernel_choices
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig

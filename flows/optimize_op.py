@@ -11,14 +11,14 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
+from contract.job import Candidate
 from engine_templates.ops import get_op
-from flows.pipeline import Outcome, evaluate, one_line
-from targets import Target
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
-from contract.job import Candidate
-from tasks.stages import propose
+from targets import Target
+from tasks.evaluate import Outcome, evaluate, one_line
+from tasks.propose import propose
 from tracking.history import board, trials
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig

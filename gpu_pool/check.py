@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from contract.job import Job
+from contract.verdict import PASS
 from gpu_pool.executors import run_stage
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Pool, Slot
 from gpu_pool.ssh import connect, run_command
-from contract.job import Job
 from harness.serve.baselines import ENGINES
-from contract.verdict import PASS
 
 # Runs on the host with its own Python: what it has, as one JSON line. A missing package
 # is a value in the report, not an error of the check.
@@ -137,7 +137,7 @@ def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> l
     is a problem (a workdir it cannot create, a bundle it cannot unpack, a check past its limit);
     a host that cannot be reached is a warning on stderr and [], since the dispatch's retries move
     the work to another host."""
-    from gpu_pool.ssh import ensure_bundle, worker_env, workdir_of
+    from gpu_pool.ssh import ensure_bundle, workdir_of, worker_env
 
     engine = ["--baseline", baseline] if baseline in ENGINES else []
     if host.is_local:
@@ -162,7 +162,7 @@ def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> l
 
 
 def _local_serve_problems(model_dir: str, engine: list[str]) -> list[str]:
-    """The worker's check on this machine, run as the servers are (flows/serve_pipeline.job_for)."""
+    """The worker's check on this machine, run as the servers are (tasks/serve.job_for)."""
     from gpu_pool.local import WORKER_ROOT
 
     try:

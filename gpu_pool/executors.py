@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from contract.job import Job
+from contract.serve import EngineCandidate, ServeJob
 from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
 from gpu_pool.local import LocalExecutor, StageRun
 from gpu_pool.pool import Slot
 from gpu_pool.ssh import SSHExecutor, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
-from contract.job import Job
 from harness.serve import stage
-from contract.serve import EngineCandidate, ServeJob
 
 
 def executor_for(slot: Slot) -> LocalExecutor | SSHExecutor:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
-from gpu_pool.pool import Host, Slot
 from contract.verdict import CRASH, Verdict
+from gpu_pool.pool import Host, Slot
 
 COOL_DOWN_S = 120.0
 

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_pool.pool import Slot
 from contract.job import Job
 from contract.verdict import Verdict
+from gpu_pool.pool import Slot
 
 # The folder holding harness/ and engine_templates/: what a worker needs on its PYTHONPATH.
 WORKER_ROOT = Path(__file__).resolve().parent.parent

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import paramiko
 
+from contract.job import Job
 from gpu_pool.bundle import current_bundle
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.local import StageRun, verdict_from
 from gpu_pool.pool import Host, Slot
-from contract.job import Job
 
 # The host kills the stage itself this long after the controller's limit, in case the
 # controller died and could not.

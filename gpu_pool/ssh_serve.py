@@ -22,16 +22,14 @@ from typing import Callable
 
 import paramiko
 
+from contract.serve import AIPerfError, EngineCandidate, PatternRun, Reference, Served, ServeJob, ServerError
+from contract.verdict import FAIL, PASS, Verdict
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Slot
 from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
-from contract.serve import AIPerfError, PatternRun
-from contract.serve import EngineCandidate, ServeJob
 from harness.serve.remote import MARKER_VAR, completion_from_dict, job_to_dict, runs_from_dict
 from harness.serve.server import BALANCER_START_S
-from contract.serve import ServerError
-from contract.serve import Reference, Served
-from contract.verdict import FAIL, PASS, Verdict
+from harness.serve.stage import judge_replicas
 
 POLL_S = 0.2
 ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit

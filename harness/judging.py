@@ -6,21 +6,21 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from typing import TYPE_CHECKING, BinaryIO, Callable
+from typing import BinaryIO, Callable
 
 import torch
 
+from contract.job import Job
+from contract.verdict import PASS, ShapeTiming, Verdict
+from engine_templates import ceilings
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
-from engine_templates import ceilings
-from harness import device as devices, timing
+from harness import device as devices
+from harness import timing
 from harness.channel import CutOff, ProtocolError, read_frame
 from harness.checks import judge
 from harness.deadline import Deadline
-from contract.job import Job
 from harness.stages import shapes_by_label
-from contract.verdict import PASS, ShapeTiming, Verdict
-
 
 
 class Judge:

@@ -2,12 +2,12 @@
 
 It reads its limits on the first line of stdin and applies them (memory, core dumps,
 network) before importing anything heavy, imports the harness, torch and the op while the
-supervisor makes its plan, reads the job and the plan on the second line, notes the identity of every timer and harness function, and only then imports the candidate
-from its scratch directory. Everything it finds goes to the supervisor as frames on FD; it
-decides no verdict — a process that dies or stops reporting is a crash there. In the bench
-stage it waits on stdin before timing each shape, until the supervisor has judged what it was
-sent and left the GPU idle (`settle`), so that no work of the supervisor's shares the GPU with
-a timing.
+supervisor makes its plan, reads the job and the plan on the second line, notes the identity of
+every timer and harness function, and only then imports the candidate from its scratch
+directory. Everything it finds goes to the supervisor as frames on FD; it decides no verdict —
+a process that dies or stops reporting is a crash there. In the bench stage it waits on stdin
+before timing each shape, until the supervisor has judged what it was sent and left the GPU
+idle (`settle`), so that no work of the supervisor's shares the GPU with a timing.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def main() -> int:
 
     import torch
 
+    from contract.job import Job
     from engine_templates.ops import get_op
     from harness import checks, device, integrity, stages, timing  # noqa: F401  (watched below)
     from harness.channel import Sender
-    from contract.job import Job
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send

@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
+from contract.job import Job, Shape
 from engine_templates.ops.base import DTYPES, generator
 from harness import integrity, timing
 from harness.checks import run_call
-from contract.job import Job, Shape
 
 # Bound as this module's globals, as in harness/timing.py: a builtin swapped in the builtins
 # module (`min` picks the hidden-work round) does not reach this process's decisions.

@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import io
-import itertools
 import json
 import os
-import random
 import select
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from contract.job import Job
-from harness.deadline import Deadline, kill, kill_descendants, kill_tree
+from contract.verdict import Verdict
+from harness.deadline import Deadline, kill, kill_descendants
 from harness.limits import MemoryWatchdog
 from harness.screen import screen
-from contract.verdict import Verdict
 
 WORKER_ROOT = Path(__file__).resolve().parent.parent
 WATCHED_TREES = ("harness", "engine_templates", "contract")

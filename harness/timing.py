@@ -256,7 +256,7 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
         for t in outs:
             if t.is_floating_point():
                 t.fill_(float("nan"))
-    est = _estimate_ms(lambda: _replay(graph))
+    est = _estimate_ms(lambda: _replay(graph))  # noqa: F821 (deleted below, after the lambda ran)
     for _ in range(max(1, int(method.warmup_ms / est))):
         _replay(graph)
     reps = max(10, min(500, int(method.rep_ms / est)))

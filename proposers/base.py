@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from engine_templates.ops.base import Template
 from contract.job import Candidate
-
-PENDING = "pending"
-
-
-@dataclass(frozen=True)
-class Trial:
-    candidate: Candidate
-    state: str  # "pending", "pass", "fail" or "crash"
-    score: float | None = None  # higher is better; set only for passed, timed trials
+from engine_templates.ops.base import Template
+from tracking.trials import Trial
 
 
 def point_key(point: dict[str, Any]) -> str:

@@ -9,16 +9,16 @@ already in the history and no two alike; fewer when the space has nothing new le
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine_templates.ops.base import Template
 from contract.job import Candidate
 from contract.serve import EngineCandidate
-from proposers.base import PENDING, Proposer, Trial
+from engine_templates.ops.base import Template
+from proposers.base import Proposer
 from proposers.random import RandomProposer
 from proposers.tpe import TPEProposer
+from tracking.trials import PENDING, EngineTrial, Trial
 
 KNOBS = {
     "block_size": [16, 32],
@@ -27,16 +27,6 @@ KNOBS = {
     "cuda_graph_max_batch": [0, 8, 32, 64],
 }
 EAGER = "eager"
-
-
-@dataclass(frozen=True)
-class EngineTrial:
-    candidate: EngineCandidate
-    id: str  # as recorded: a free kernel's file is gone with its flow, so the id cannot be recomputed
-    state: str  # "pending", "pass", "fail" or "crash"
-    # The geometric mean of the metrics' advantage over the baseline: set for a passed
-    # configuration and for a near miss (accurate, served, failed only the all-metrics gate).
-    score: float | None = None
 
 
 class EngineTPE(TPEProposer):

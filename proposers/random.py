@@ -6,7 +6,8 @@ import random
 from typing import Any, Sequence
 
 from contract.job import Candidate
-from proposers.base import Proposer, Trial, point_key
+from proposers.base import Proposer, point_key
+from tracking.trials import Trial
 
 # Above this many points the product is not listed; points are drawn and redrawn instead.
 ENUMERATE_LIMIT = 100_000

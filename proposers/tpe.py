@@ -11,8 +11,9 @@ from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
 from contract.job import Candidate
-from proposers.base import PENDING, Proposer, Trial, point_key
+from proposers.base import Proposer, point_key
 from proposers.random import RandomProposer
+from tracking.trials import PENDING, Trial
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -5,14 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
-from engine_templates.models import PRESETS, ModelDims
-from gpu_pool.pool import GPUClassName
 from contract.job import Rules
 from contract.serve import AccuracyRules, Pattern
+from engine_templates.models import PRESETS, ModelDims
 
+# The GPU classes a pool file's host may have.
+GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
 GPUClass = Literal["any", GPUClassName]  # "any", or a class a pool file's host may have
 DType = Literal["bf16", "fp16", "fp32"]
 

@@ -5,13 +5,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+from conftest import CANDIDATES
+
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
-import pytest
 
-from conftest import CANDIDATES
-from flows.cli import main
+from cli.main import main
 
 RMS = CANDIDATES / "rmsnorm"
 
@@ -91,7 +92,7 @@ def test_evaluate_pass_and_fail_exit_codes_and_json(capsys, prefect_server, trac
 
 
 def test_the_installed_command_refuses_bad_input_without_a_traceback():
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "optimize", "--op", "rmsnorm", "--model", "nope"],
+    proc = subprocess.run([sys.executable, "-m", "cli", "optimize", "--op", "rmsnorm", "--model", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -129,7 +130,7 @@ def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_pa
 
     newer = store("newer", "f4a9b2c7d1e6")  # no migration of this MLflow's leads there
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"INFERSMITH_HOME": str(newer)}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "optimize", "--op", "rmsnorm", "--model", "tiny",
+    done = subprocess.run([sys.executable, "-m", "cli", "optimize", "--op", "rmsnorm", "--model", "tiny",
                            "--budget", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
@@ -176,22 +177,22 @@ def test_a_file_that_is_not_text_is_one_line(capsys, tmp_path):
 
 
 def test_shape_options_of_a_tiny_preset_fill_in_from_its_tiny_workload():
-    from flows.cli import _target, build_parser
+    from cli.args import target_of
+    from cli.main import build_parser
 
     for model in ("tiny", "tiny-moe"):
         args = build_parser().parse_args(["optimize", "--op", "fused_moe", "--model", model, "--decode-batches", "2"])
-        w = _target(args).workload
+        w = target_of(args).workload
         assert (w.decode_batches, w.prefill_tokens, w.contexts) == ([2], [40], [48]), model
     args = build_parser().parse_args(["optimize", "--op", "fused_moe", "--model", "qwen3-30b-a3b", "--contexts", "64"])
-    w = _target(args).workload
+    w = target_of(args).workload
     assert (w.decode_batches, w.prefill_tokens, w.contexts) == ([1, 8, 32, 128], [2048, 16384], [64])
 
 
 def test_every_gpu_class_of_a_pool_file_is_a_target_class():
     from typing import get_args
 
-    from targets import GPUClass, Target
-    from gpu_pool.pool import GPUClassName
+    from targets import GPUClass, GPUClassName, Target
 
     assert set(get_args(GPUClass)) == {"any"} | set(get_args(GPUClassName))
     assert Target(gpu_class="a100").gpu_class == "a100"
@@ -209,7 +210,7 @@ def test_an_unreachable_prefect_server_is_one_line(argv, tmp_path):
         url = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
         env = os.environ | {"PREFECT_API_URL": url, "INFERSMITH_HOME": str(tmp_path)}
         env.pop("MLFLOW_TRACKING_URI", None)
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "cli", *argv], env=env, capture_output=True, text=True,
                               timeout=180)
     # (evaluate opens the tracking store first, and MLflow logs its creation)
     assert done.returncode == 1 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from counted_kernels import calls, counting_kernels  # noqa: E402
 
+from cli.main import main  # noqa: E402
 from engine_templates.engine.bench.roofline import weight_bytes  # noqa: E402
 from engine_templates.engine.config import EngineConfig, KernelSpec, ModelConfig  # noqa: E402
 from engine_templates.engine.cuda_graphs import DecodeGraphs  # noqa: E402
@@ -23,7 +24,6 @@ from engine_templates.engine.engine import LLMEngine  # noqa: E402
 from engine_templates.engine.loader import random_weights  # noqa: E402
 from engine_templates.engine.sequence import SamplingParams  # noqa: E402
 from engine_templates.models import PRESETS  # noqa: E402
-from flows.cli import main  # noqa: E402
 
 # Few programs per launch: Triton's interpreter on a CPU takes time per program.
 SPLIT_KV = KernelSpec("template", "split_kv", {"num_splits": 2, "block_n": 16, "num_warps": 1, "num_stages": 1})

@@ -9,7 +9,7 @@ import pytest
 from counted_kernels import calls, counting_kernels
 from tiny_checkpoints import checkpoint
 
-from flows.cli import main
+from cli.main import main
 
 
 def run(capsys, *argv):

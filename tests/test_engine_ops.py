@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from contract.job import Shape  # noqa: E402
 from engine_templates.models import PRESETS  # noqa: E402
 from engine_templates.ops import get_op  # noqa: E402
 from engine_templates.ops.base import DISTRIBUTIONS, generator  # noqa: E402
 from harness.checks import check_call, rel_error  # noqa: E402
-from contract.job import Shape  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
@@ -283,7 +283,7 @@ def test_fused_moe_eager_picks_its_path_from_shapes_dtype_and_layout():
 
 
 def test_fused_moe_eager_falls_back_to_the_loop_where_grouped_mm_refuses():
-    from engine_templates.ops.fused_moe import grouped_moe, grouped_mm_device
+    from engine_templates.ops.fused_moe import grouped_mm_device, grouped_moe
 
     op = get_op("fused_moe")
     x, logits, w_gate_up, w_down, top_k, renormalize = _moe_args(20, 2, True, hidden=68, inter=44, seed=3)

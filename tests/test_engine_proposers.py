@@ -3,17 +3,18 @@ one conformance suite, their history read back from MLflow on SQLite, and TPE le
 from __future__ import annotations
 
 import pytest
-
 from conftest import CANDIDATES
-from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
-from engine_templates.ops.silu_mul import FLAT_TEMPLATE
+
 from contract.serve import EngineCandidate
 from contract.verdict import Verdict
-from proposers.engine import KNOBS, SEARCHES, EngineProposer, EngineTrial
+from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
+from engine_templates.ops.silu_mul import FLAT_TEMPLATE
+from proposers.engine import KNOBS, SEARCHES, EngineProposer
 from tracking.history import engine_trials
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
+from tracking.trials import EngineTrial
 
 EAGER = {"impl": "eager"}
 # pass, a near miss (failed only the all-metrics gate, so it has a score), fail, crash, pending

@@ -63,10 +63,10 @@ def test_a_resumed_optimization_never_repeats_a_candidate(prefect_server, tracki
 
 
 def test_no_candidate_starts_that_would_end_after_the_wall_clock():
-    from flows.optimize_op import Progress
-    from flows.pipeline import Outcome
     from contract.job import Candidate
     from contract.verdict import Verdict
+    from flows.optimize_op import Progress
+    from tasks.evaluate import Outcome
     from tracking.ledger import Charge
 
     progress = Progress(Target(model="tiny", budget={"candidates": 10, "wall_clock_s": 100.0}))

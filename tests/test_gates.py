@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.pipeline import run_stages
-from targets import Target
+from contract.job import Candidate, Job, Rules, Shape
+from contract.verdict import ShapeTiming, Verdict
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import Host, Slot, local_pool
-from contract.job import Candidate, Job, Rules, Shape
 from harness.screen import screen
-from contract.verdict import ShapeTiming, Verdict
+from targets import Target
+from tasks.evaluate import run_stages
 from tracking.ledger import Charge
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 60})
@@ -140,9 +140,9 @@ def test_shapes_under_a_millisecond_of_roofline_are_timed_by_graph():
     """Events would time the host's issue time with the call wherever the host is the slower
     (docs/BENCHMARKS.md, ninth session): every shape under 1 ms of roofline is graph-timed on a
     GPU, the large prefill calls included; a call far past it keeps events; a CPU never graphs."""
+    from contract.job import Rules
     from engine_templates.models import PRESETS
     from engine_templates.ops import get_op
-    from contract.job import Rules
     from harness.timing import by_graph
 
     bound, h200_copy = Rules().launch_bound_us, 4.25e6  # bytes a microsecond (../shared/ANCHORS.md)
@@ -276,7 +276,7 @@ def test_a_stage_stopped_at_its_limit_keeps_what_it_measured(stage, kept):
     """The harness stops the candidate a little inside the controller's limit and writes the
     verdict itself, so what was judged and timed before survives (the controller's kill writes
     none). Honest, each of these stages takes about 3 s here."""
-    from flows.pipeline import jobs_for
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source=HANGS_AT_PREFILL), Target(model="tiny", dtype="fp32"), slot)
@@ -339,9 +339,9 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
     import io
     import time
 
-    from flows.pipeline import jobs_for
-    from harness.judging import Judge
     from harness.deadline import Deadline
+    from harness.judging import Judge
+    from tasks.evaluate import jobs_for
 
     for ended_first in (True, False):
         deadline = Deadline(2.5, time.perf_counter())  # strikes after 0.5 s (2 s reserve); no sandbox to kill
@@ -378,7 +378,7 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
 
 
 def test_a_candidate_whose_import_runs_past_the_limit_is_named_so():
-    from flows.pipeline import jobs_for
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source="while True:\n    pass\n"), Target(model="tiny", dtype="fp32"), slot)
@@ -405,7 +405,7 @@ def test_a_chain_of_forks_that_escapes_the_kill_still_gets_the_harness_verdict()
     """The kill at the deadline misses a chain of forks (a copy is always one forked after the
     look), which keeps the report channel open: the judge stops reading a little after the
     deadline all the same, and the verdict is the harness's, not the controller's."""
-    from flows.pipeline import jobs_for
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source=FORKS_A_CHAIN), Target(model="tiny", dtype="fp32"), slot)
@@ -438,7 +438,7 @@ def test_settle_frames_the_sandbox_never_waits_on_fail_protocol_without_blocking
     rather than waiting, blocked, for the stage's limit."""
     import time
 
-    from flows.pipeline import jobs_for
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source=FLOODS_SETTLE), Target(model="tiny", dtype="fp32"), slot)
@@ -455,8 +455,8 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
     a frame cut short is still a protocol failure."""
     import io
 
-    from flows.pipeline import jobs_for
     from harness.judging import Judge
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"), slot)["check"]
@@ -499,7 +499,7 @@ def test_a_frame_the_memory_watchdog_cut_short_is_a_memory_crash_not_protocol():
     memory, not the report it cut."""
     from dataclasses import replace
 
-    from flows.pipeline import jobs_for
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source=LEAKS_INSIDE_A_FRAME), Target(model="tiny", dtype="fp32"),
@@ -569,8 +569,8 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
     Nor may one pass a gate, claim the harness's own verdicts, or stop the judge (FORGED_HEADERS)."""
     import io
 
-    from flows.pipeline import jobs_for
     from harness.judging import Judge
+    from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     jobs = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"), slot)
@@ -603,8 +603,8 @@ def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_jud
     is dropped, as at the limit, and the verdict says how far the stage got."""
     import io
 
-    from flows.pipeline import jobs_for
     from harness.judging import Judge
+    from tasks.evaluate import jobs_for
 
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
                    CPU_SLOT)["bench"]
@@ -629,8 +629,8 @@ def test_a_sandbox_killed_over_its_memory_keeps_only_the_timings_whose_outputs_w
     stage got, and a shape timed but not judged is dropped."""
     import io
 
-    from flows.pipeline import jobs_for
     from harness.judging import Judge
+    from tasks.evaluate import jobs_for
 
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
                    CPU_SLOT)["bench"]

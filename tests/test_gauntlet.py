@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from flows.gauntlet import run_case, table, target_for
-from targets import Target
+from gauntlet import load_cases
 from gpu_pool.bundle import current_bundle, unpack
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import local_pool
-from gauntlet import load_cases
+from targets import Target
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 120})
 CASES = load_cases()
@@ -94,8 +94,8 @@ def test_fused_moe_cases_run_on_the_moe_preset_of_the_models_size_class():
 
 
 def test_table_marks_a_wrong_verdict():
-    from flows.gauntlet import Row
     from contract.verdict import Verdict
+    from flows.gauntlet import Row
 
     case = next(c for c in CASES if c.gate == "caching")
     passed = Verdict(op=case.op, candidate_id="x")
@@ -111,7 +111,7 @@ def test_cases_side_by_side_from_the_command(capsys):
     """`infersmith gauntlet --jobs 3`: cases run at once from an unpacked copy of the worker
     packages; the one that writes into the harness runs last, alone, and touches neither the
     checkout nor the cases beside it (each of which would otherwise fail harness_integrity)."""
-    from flows.cli import main
+    from cli.main import main
 
     checkout = Path(__file__).resolve().parent.parent / "harness"
     before = sorted(p.name for p in checkout.iterdir())
@@ -132,7 +132,7 @@ def test_cases_side_by_side_from_the_command(capsys):
 def test_gpu_only_cases_are_listed_as_not_run_on_a_cpu_slot(capsys):
     """A vector that only a GPU has (a CUDA graph being captured) is not run on a CPU slot: the
     command says so, and asking for such cases alone is a usage error."""
-    from flows.cli import main
+    from cli.main import main
 
     if local_pool().slots()[0].gpu is not None:
         pytest.skip("this machine's slot has a GPU: the case runs there")

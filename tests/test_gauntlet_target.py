@@ -7,8 +7,8 @@ import pytest
 from engine_templates.ops import OPS
 from engine_templates.ops.rmsnorm import RMSNorm, token_shapes
 from flows.gauntlet import target_for
-from targets import Target
 from gauntlet import Case
+from targets import Target
 
 
 class MisreadNorm(RMSNorm):

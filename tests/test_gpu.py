@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gates import evaluate, free
 
+from contract.job import Candidate
 from engine_templates.ops import get_op
 from targets import Target
-from contract.job import Candidate
-from test_gates import evaluate, free
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 from conftest import CANDIDATES
-from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
-from flows.cli import main
-from flows.optimize_op import optimize_op
-from targets import Target
+
+from cli.main import main
 from contract.job import Candidate
 from contract.verdict import ShapeTiming, Verdict
+from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
+from flows.optimize_op import optimize_op
+from targets import Target
 from tracking.history import board, kernel_choices
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker

@@ -15,12 +15,12 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
+from contract.job import Shape  # noqa: E402
 from engine_templates.models import PRESETS  # noqa: E402
 from engine_templates.ops import get_op  # noqa: E402
 from engine_templates.ops.base import DISTRIBUTIONS, generator  # noqa: E402
 from engine_templates.ops.decode_attention import OP, seq_lens_for  # noqa: E402
 from harness.checks import check_call, rel_error  # noqa: E402
-from contract.job import Shape  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}

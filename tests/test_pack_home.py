@@ -4,7 +4,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "infra" / "pack_home.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "pack_home.sh"
 
 
 def pack(out: Path, home: Path, archive: Path) -> subprocess.CompletedProcess:

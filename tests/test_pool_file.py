@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from contract.job import Candidate
 from flows.optimize_op import optimize_op, scope_for
-from targets import Target
 from gpu_pool.leases import ensure_limits, free_slots, lease_group, try_lease
 from gpu_pool.pool import Host, Pool, local_pool
 from gpu_pool.pool_file import PoolFileError, load_pool
-from contract.job import Candidate
+from targets import Target
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
@@ -67,7 +67,7 @@ def test_a_pool_file_that_is_not_text_is_one_line(tmp_path):
 
 
 def test_the_cli_reports_a_bad_pool_file_as_a_usage_error(tmp_path, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     f = tmp_path / "pool.yaml"
     f.write_text(GOOD + "    port: 0\n")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flows.pipeline import jobs_for
-from targets import Target
+from contract.job import Candidate
+from contract.verdict import Verdict
 from gpu_pool.executors import device_fault, run_stage
 from gpu_pool.health import HostFault, gpu_fault_in
 from gpu_pool.pool import Host, Slot
-from contract.job import Candidate
-from contract.verdict import Verdict
+from targets import Target
+from tasks.evaluate import jobs_for
 
 # Prints what a lost GPU makes the driver log, then hangs until the stage's time limit kills it.
 CRY_WOLF = ('import sys\n\nprint("NVRM: Xid (PCI:0000:18:00): 79, GPU has fallen off the bus", file=sys.stderr, '

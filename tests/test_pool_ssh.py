@@ -12,11 +12,11 @@ import pytest
 from loopback_sshd import free_port, loopback_hosts, needs_sshd
 
 from flows.optimize_op import optimize_op
-from targets import Target
 from gpu_pool.bundle import current_bundle
 from gpu_pool.health import HEALTH, HostFault
 from gpu_pool.pool import Pool
 from gpu_pool.ssh import connect, ensure_bundle, workdir_of
+from targets import Target
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
@@ -69,7 +69,7 @@ def test_the_bundle_is_sent_once_per_content(loopback):
 
 
 def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, tmp_path, capsys):
-    from flows.cli import main
+    from cli.main import main
 
     a = loopback.servers[0]
     pool_file = tmp_path / "pool.yaml"
@@ -147,9 +147,9 @@ def test_a_sweep_across_hosts_survives_one_dropping_mid_candidate(loopback, pref
 
 
 def test_a_hanging_candidate_is_killed_on_the_host_and_recorded_as_a_crash(loopback):
-    from flows.pipeline import jobs_for
-    from gpu_pool.ssh import SSHExecutor
     from contract.job import Candidate
+    from gpu_pool.ssh import SSHExecutor
+    from tasks.evaluate import jobs_for
 
     host = loopback.host(loopback.servers[1])
     slot = Pool(hosts=[host]).slots()[0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "infra"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from points_probe import parse_grid  # noqa: E402
 

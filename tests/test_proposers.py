@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import pytest
 
+from contract.job import Candidate
 from engine_templates.ops.base import Template
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE
-from contract.job import Candidate
 from proposers import PROPOSERS, make_proposer
-from proposers.base import PENDING, Trial, point_key
+from proposers.base import point_key
+from tracking.trials import PENDING, Trial
 
 TINY = Template(name="tiny", module="engine_templates.ops.rmsnorm.templates",
                 space={"a": [1, 2, 3], "b": ["x", "y"]})

@@ -11,10 +11,10 @@ import re
 import torch
 from safetensors import safe_open
 
+from cli.main import main
 from engine_templates.engine.config import ModelConfig
 from engine_templates.engine.random_checkpoint import SPECIAL, write_random_checkpoint
 from engine_templates.models import PRESETS
-from flows.cli import main
 
 
 def run(capsys, *argv):
@@ -71,8 +71,8 @@ def test_a_qwen3_0_6b_layer_generates_what_transformers_generates(capsys, tmp_pa
 
 
 def test_moe_shards_hold_the_weights_engine_bench_draws(tmp_path):
-    from engine_templates.engine.engine import LLMEngine
     from engine_templates.engine.config import EngineConfig
+    from engine_templates.engine.engine import LLMEngine
     from engine_templates.engine.loader import load_weights, random_weights
     from engine_templates.engine.model import Qwen3Model
     from engine_templates.engine.oracle import HFOracle

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from contract.job import Candidate
-from harness.timing import ROTATION_CAP, rotation_count
 from contract.verdict import ShapeTiming, Verdict
+from harness.timing import ROTATION_CAP, rotation_count
 from tracking.history import search
 from tracking.ledger import Charge
 from tracking.report import report

@@ -24,13 +24,10 @@ import yaml
 from loopback_sshd import SSHD, loopback_hosts
 from tiny_checkpoints import checkpoint
 
-from flows.cli import main
-from harness.serve.accuracy import judge
-from contract.serve import Completion
-from contract.serve import METRICS, PatternRun
-from contract.serve import AccuracyRules
-from contract.serve import Served, compare
+from cli.main import main
+from contract.serve import METRICS, AccuracyRules, Completion, PatternRun, Served, compare
 from contract.verdict import Verdict
+from harness.serve.accuracy import judge
 
 FAKES = Path(__file__).resolve().parent / "serve_fakes"
 # One small pattern: AIPerf's own start-up (~10 s) dominates; the requests are a second's work.
@@ -230,12 +227,12 @@ def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
 def test_aiperf_counts_the_tokens_a_server_streams_not_those_its_usage_claims(tmp_path):
     """A server whose `usage` claims 40 times the tokens it streams: AIPerf tokenizes what arrived
     (with the model's tokenizer), so the claim buys no throughput."""
+    from loopback_sshd import free_port
     from tokenizers import Tokenizer
 
-    from harness.serve import aiperf
     from contract.serve import Pattern
+    from harness.serve import aiperf
     from harness.serve.server import ServerProcess
-    from loopback_sshd import free_port
 
     model_dir = checkpoint("dense")
     port = free_port()
@@ -307,10 +304,10 @@ def test_replicas_no_host_can_run_are_one_line(capsys, tmp_path, replicas, messa
 
 
 def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tmp_path):
-    from flows.serve_pipeline import job_for
-    from targets import Target
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import ServeSetupError, SSHServe
+    from targets import Target
+    from tasks.serve import job_for
 
     host, pool_file = pool_host
     # Before the run: the host is asked, and no flow starts.
@@ -326,11 +323,11 @@ def test_a_model_directory_missing_on_the_host_is_one_line(pool_host, capsys, tm
 
 
 def test_a_session_the_controller_gives_up_on_leaves_no_server_on_the_host(pool_host, tmp_path):
-    from flows.serve_pipeline import job_for
-    from targets import Target
+    from contract.serve import ServerError
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import SSHServe
-    from contract.serve import ServerError
+    from targets import Target
+    from tasks.serve import job_for
 
     host, _ = pool_host
     slot = Pool(hosts=[host]).slots()[0]
@@ -357,11 +354,11 @@ def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
     and retries elsewhere), not a hang nor a verdict on anyone's server."""
     import threading
 
-    from flows.serve_pipeline import job_for
-    from targets import Target
     from gpu_pool.health import HostFault
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import SSHServe
+    from targets import Target
+    from tasks.serve import job_for
 
     if not SSHD.exists():
         pytest.skip("needs an OpenSSH server at /usr/sbin/sshd")
@@ -396,10 +393,10 @@ def test_a_host_dropping_mid_session_is_a_host_fault_for_the_dispatch(tmp_path):
 def test_a_pool_hosts_gpus_go_one_to_each_replica_there():
     """The job of a leased group on a GPU host: each replica its own GPU of the group, the host's
     python, the model directory as a path there; and it crosses the wire to the host intact."""
-    from flows.serve_pipeline import job_for
-    from targets import Target
     from gpu_pool.pool import Host, Pool
     from harness.serve.remote import job_from_dict, job_to_dict
+    from targets import Target
+    from tasks.serve import job_for
 
     host = Host(name="h200-a", address="10.0.0.5", gpus=[2, 5, 7], gpu_class="h200", python="/opt/venv/bin/python")
     group = Pool(hosts=[host]).slots()[1:]  # GPUs 5 and 7, as a lease of two might hold them
@@ -421,10 +418,10 @@ def _cmdline(proc: Path) -> bytes:
 def test_a_baseline_named_by_engine_expands_to_its_server_command():
     """`vllm` and `sglang` become that engine's server on the job's checkpoint, run by the job's
     python, on loopback, with the target's dtype and context length; a command stays a command."""
-    from flows.serve_pipeline import job_for
-    from targets import Target
     from gpu_pool.pool import Host, Pool
     from harness.serve.stage import baseline_argv
+    from targets import Target
+    from tasks.serve import job_for
 
     group = Pool(hosts=[Host(name="h200-a", address="10.0.0.5", gpus=[3], gpu_class="h200",
                              python="/opt/venv/bin/python")]).slots()
@@ -478,12 +475,12 @@ def test_a_fake_vllm_on_a_hosts_python_is_detected_and_its_serve_command_runs_th
     the pre-run check passes, and a baseline session runs `python -m vllm.entrypoints.cli.main serve`
     with the expanded arguments there (the fake prints them and exits 3). The same host lacks
     sglang: one line before the run, and the session's own check refuses it too."""
-    from flows.serve_pipeline import job_for
-    from targets import Target
+    from contract.serve import ServerError
     from gpu_pool.check import probe, serve_problems
     from gpu_pool.pool import Pool
     from gpu_pool.ssh_serve import ServeSetupError, SSHServe
-    from contract.serve import ServerError
+    from targets import Target
+    from tasks.serve import job_for
 
     site = tmp_path / "site"
     cli = site / "vllm" / "entrypoints" / "cli"

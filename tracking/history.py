@@ -9,9 +9,8 @@ from mlflow.entities import Run, ViewType
 
 from contract.job import Candidate
 from contract.serve import EngineCandidate
-from proposers.base import PENDING, Trial
-from proposers.engine import EngineTrial
-from tracking.schema import T, RunScope, Tracker
+from tracking.schema import RunScope, T, Tracker
+from tracking.trials import PENDING, EngineTrial, Trial
 
 
 def _quote(v: str) -> str:

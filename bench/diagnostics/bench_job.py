@@ -10,9 +10,9 @@ the preset argument and a refusal for an unknown op or preset.
 """
 import sys
 
+from contract.job import Candidate, Job
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
-from contract.job import Candidate, Job
 
 if len(sys.argv) < 2 or sys.argv[1] not in OPS:
     raise SystemExit(f"bench_job: name an op: {', '.join(OPS)}")

@@ -9,11 +9,14 @@ autotuner picks in each:
 The argument is a tag printed at the start of each line.
 """
 import sys
-sys.path.insert(0, "infra")
+
+sys.path.insert(0, "bench")
 import torch
+
 if not torch.cuda.is_available():
     raise SystemExit("compile_var: needs a CUDA GPU")
 from points_probe import kernel_us
+
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator

@@ -27,20 +27,20 @@ import sys
 if len(sys.argv) > 1:
     raise SystemExit("fixed_cost: takes no arguments (the shapes are fixed; see its docstring)")
 
-sys.path.insert(0, "infra")
+sys.path.insert(0, "bench")
 import torch
 
 if not torch.cuda.is_available():
     raise SystemExit("fixed_cost: needs a CUDA GPU")
 import triton
 import triton.language as tl
-
 from points_probe import kernel_us
+
+from contract.job import Rules
+from engine_templates.ceilings import measure
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
-from engine_templates.ceilings import measure
-from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

@@ -27,21 +27,21 @@ if WHAT not in ("decode", "prefill", "modes"):
 if WHAT == "prefill" and not (ROUNDS.isdigit() and int(ROUNDS) >= 1):
     raise SystemExit(f"norm_variants: prefill takes a count of rounds (1 or more), not {ROUNDS!r}")
 
-sys.path.insert(0, "infra")
+sys.path.insert(0, "bench")
 import torch
 
 if not torch.cuda.is_available():
     raise SystemExit("norm_variants: needs a CUDA GPU")
 import triton
 import triton.language as tl
-
 from points_probe import kernel_us
+
+from contract.job import Rules
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from engine_templates.ops.rmsnorm.templates import auto_warps
 from harness.checks import check_call
-from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

@@ -24,11 +24,11 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
+from contract.job import Rules
 from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from engine_templates.ops.base import generator
 from harness.checks import check_call
-from contract.job import Rules
 from harness.stages import compile_baseline
 from harness.timing import Method, median_us, rotation_count
 

@@ -10,13 +10,15 @@ fraction: torch's per-process memory fraction 0.8, as the sandbox sets it; netns
 limits (core dumps, an own network namespace) first.
 """
 import sys
-sys.path.insert(0, "infra")
+
+sys.path.insert(0, "bench")
 import torch
 from points_probe import kernel_us
+
+from contract.job import Candidate, Job
 from engine_templates.models import PRESETS
-from engine_templates.ops.silu_mul import OP, FLAT_TEMPLATE
 from engine_templates.ops.base import generator
-from contract.job import Job, Candidate
+from engine_templates.ops.silu_mul import FLAT_TEMPLATE, OP
 from harness import stages
 from harness.judging import fresh_seeds
 from harness.timing import Method, by_graph, median_us, rotation_count
@@ -33,7 +35,8 @@ bf = torch.bfloat16
 cand = Candidate(op="silu_mul", kind="template", template="flat", point=dict(FLAT_TEMPLATE.default))
 job = Job(stage="bench", candidate=cand, model="qwen3-30b-a3b", shapes=shapes, odd_shapes=[], device="cuda")
 if order == "job":
-    print(job.to_json()); sys.exit(0)
+    print(job.to_json())
+    sys.exit(0)
 if not torch.cuda.is_available():
     raise SystemExit("stage_vs_probe: needs a CUDA GPU")
 l2 = torch.cuda.get_device_properties(0).L2_cache_size

@@ -9,6 +9,7 @@ import torch
 
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
+
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 

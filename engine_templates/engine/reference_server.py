@@ -16,10 +16,15 @@ import torch
 from aiohttp import web
 
 from engine_templates.engine.config import ModelConfig
-from engine_templates.engine.oracle import HFOracle
-from engine_templates.engine.request_params import (APIError, chat_prompt, completion_prompt, requested_logprobs,
-                                                    sampling_params)
 from engine_templates.engine.engine_loop import Update
+from engine_templates.engine.oracle import HFOracle
+from engine_templates.engine.request_params import (
+    APIError,
+    chat_prompt,
+    completion_prompt,
+    requested_logprobs,
+    sampling_params,
+)
 from engine_templates.engine.server import STATE, _body, _Reply, _send, openai_errors, serve_app, token_logprobs
 from engine_templates.engine.tokenizer import Tokenizer
 

@@ -21,8 +21,13 @@ from aiohttp import web
 from engine_templates.engine.config import EngineSetupError
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.engine_loop import EngineLoop, Request, Update
-from engine_templates.engine.request_params import (APIError, chat_prompt, completion_prompt, requested_logprobs,
-                                                    sampling_params)
+from engine_templates.engine.request_params import (
+    APIError,
+    chat_prompt,
+    completion_prompt,
+    requested_logprobs,
+    sampling_params,
+)
 
 log = logging.getLogger("infersmith.engine")
 STATE = web.AppKey("state", object)

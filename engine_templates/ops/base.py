@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from engine_templates.models import ModelDims
 from contract.job import Shape
+from engine_templates.models import ModelDims
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 from contract.serve import AccuracyRules, Completion

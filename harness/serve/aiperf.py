@@ -8,7 +8,6 @@ import random
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from contract.serve import METRICS, AIPerfError, Pattern, PatternRun

@@ -31,13 +31,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from contract.serve import AccuracyRules, Completion, EngineCandidate, Pattern, Reference, ServeJob, ServerError
 from harness.serve import aiperf
-from contract.serve import Completion
-from harness.serve.baselines import ENGINES, missing as engine_missing
-from contract.serve import AccuracyRules, EngineCandidate, Pattern, ServeJob
-from contract.serve import ServerError
+from harness.serve.baselines import ENGINES
+from harness.serve.baselines import missing as engine_missing
 from harness.serve.stage import measure_baseline, reference_answers, serve
-from contract.serve import Reference
 
 MARKER_VAR = "INFERSMITH_SERVE_SESSION"  # inherited by every process a session starts: how `kill` finds them
 DECISION_WAIT_S = 120.0  # the controller answers within a poll; longer means it is gone

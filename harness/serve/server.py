@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
+
 from contract.serve import ServerError
 
 POLL_S = 0.5

@@ -7,21 +7,19 @@ GPU, behind one load balancer, and every replica answers the accuracy prompts.""
 from __future__ import annotations
 
 import json
-import math
 import random
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from contract.serve import Completion, EngineCandidate, Reference, Served, ServeJob, ServerError
+from contract.verdict import PASS, Verdict
 from harness.serve import aiperf
 from harness.serve.accuracy import REFERENCE_TOP, complete, judge, prompt_set
-from contract.serve import EngineCandidate, Reference, Served, ServeJob
 from harness.serve.baselines import ENGINES
 from harness.serve.server import Replicas, ServerProcess
-from contract.verdict import PASS, Verdict
 
 SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked

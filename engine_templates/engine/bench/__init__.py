@@ -170,9 +170,9 @@ def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
         name = "hf" if system == "hf" else "engine" if system == EAGER else f"engine+{Path(system).name}"
         _log(f"{preset}: {name}")
         if system == "hf":
-            out["systems"][name] = _run_system(lambda: _hf_system(opts, cfg, oracle), opts.device)
+            out["systems"][name] = _run_system(lambda: _hf_system(opts, cfg, oracle), opts.device)  # noqa: F821 (deleted below, after the lambda ran)
         else:
-            out["systems"][name] = _run_system(lambda: _engine_variant(opts, system, cfg, weights, oracle),
+            out["systems"][name] = _run_system(lambda: _engine_variant(opts, system, cfg, weights, oracle),  # noqa: F821 (deleted below, after the lambda ran)
                                                opts.device)
         save(out)
     del oracle, weights

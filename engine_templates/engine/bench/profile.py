@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine_templates.ceilings import measure
 from engine_templates.engine.bench.roofline import weight_bytes
 from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.engine import LLMEngine
@@ -23,7 +24,6 @@ from engine_templates.engine.kernels import parse_kernels_file
 from engine_templates.engine.loader import random_weights
 from engine_templates.engine.sequence import SamplingParams
 from engine_templates.models import PRESETS
-from engine_templates.ceilings import measure
 
 
 def _engine(cfg: ModelConfig, weights, kernels, batch: int, context: int, steps: int, eager: bool,

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from contract.job import Shape
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
-from contract.job import Shape
 
 SPLIT_KV_TEMPLATE = Template(
     name="split_kv",

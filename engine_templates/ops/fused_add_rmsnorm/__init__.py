@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from engine_templates.ops.base import Template, random_tensor
-from engine_templates.ops.rmsnorm import ROWS_TEMPLATE as RMSNORM_ROWS, RMSNorm
+from engine_templates.ops.rmsnorm import ROWS_TEMPLATE as RMSNORM_ROWS
+from engine_templates.ops.rmsnorm import RMSNorm
 
 # The same row kernel family as RMSNorm, so the same search space.
 ROWS_TEMPLATE = Template(name="rows", module="engine_templates.ops.fused_add_rmsnorm.templates",

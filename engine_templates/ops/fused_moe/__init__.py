@@ -25,10 +25,10 @@ import functools
 
 import torch
 
+from contract.job import Shape
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
 from engine_templates.ops.rmsnorm import token_shapes
-from contract.job import Shape
 
 GEMV_TEMPLATE = Template(
     name="gemv",

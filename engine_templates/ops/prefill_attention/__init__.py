@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from contract.job import Shape
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op, Template, random_tensor
 from engine_templates.ops.decode_attention import GARBAGE_ROWS, PAGE_SIZE, seq_lens_for
-from contract.job import Shape
 
 FLASH_TEMPLATE = Template(
     name="flash",

@@ -8,15 +8,17 @@ from typing import Callable
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from contract.job import STAGES, Candidate, Job
+from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
-from targets import Target
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
 from gpu_pool.health import HostFault
 from gpu_pool.local import StageRun
 from gpu_pool.pool import Slot
-from contract.job import STAGES, Candidate, Job
-from contract.verdict import PASS, Verdict
-from tasks.stages import STAGE_TASKS
+from targets import Target
+from tasks.check import check_stage
+from tasks.compile import compile_stage
+from tasks.microbench import microbench_stage
 from tracking.ledger import Charge
 from tracking.schema import Tracker
 
@@ -53,6 +55,9 @@ def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Call
         if verdict.status != PASS:
             break
     return verdict
+
+
+STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microbench_stage}
 
 
 def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:

@@ -1,9 +1,7 @@
-"""One server (its replicas) through the serve stage on leased slots, logged as one tracking
-child run; the reference's answers and the baseline's metrics it is judged against."""
+"""The serve stage: one server (its replicas) on leased slots, judged for accuracy, loaded with
+AIPerf and compared with the baseline on every metric; logged as one tracking child run."""
 from __future__ import annotations
 
-import random
-import secrets
 import sys
 import threading
 import time
@@ -13,18 +11,18 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from targets import Target
+from contract.serve import EngineCandidate, PatternRun, Reference, Served, ServeJob, compare
+from contract.verdict import PASS, Verdict
 from gpu_pool.dispatch import run_leased_group
-from gpu_pool.executors import serve_sessions
+from gpu_pool.executors import run_serve, serve_sessions
 from gpu_pool.local import WORKER_ROOT
 from gpu_pool.pool import Slot
-from contract.serve import PatternRun
-from contract.serve import EngineCandidate, ServeJob
-from contract.serve import Reference, Served, compare
-from contract.verdict import PASS, Verdict
-from tasks.stages import serve_stage
+from targets import Target
 from tracking.ledger import Charge
 from tracking.schema import Tracker
+
+# The end-to-end stage: servers and AIPerf in subprocesses on the leased slots' host (harness/serve).
+serve_stage = task(name="serve", cache_policy=NO_CACHE)(run_serve)
 
 
 def job_for(target: Target, model_dir: Path, group: list[Slot]) -> ServeJob:
@@ -65,19 +63,6 @@ class Baseline:
 
     def metrics(self) -> dict[str, float]:
         return {f"{p}/{k}": v for p, run in (self.runs or {}).items() for k, v in run.metrics.items()}
-
-
-@task(name="reference", cache_policy=NO_CACHE)
-def reference_task(target: Target, model_dir: Path, slots: list[Slot], baseline: Baseline) -> Reference:
-    """The reference server's greedy answers (the held-out prompts drawn from a seed no one sees;
-    on a pool host the seed goes with the session and is removed with it), and the baseline's
-    metrics when the reference is the baseline."""
-    rng = random.Random(secrets.randbits(64))
-    reference, runs = run_leased_group(slots, target.serving.replicas,
-                                       lambda group: serve_sessions(group).reference(
-                                           job_for(target, model_dir, group), baseline.out, rng))
-    baseline.runs = runs
-    return reference
 
 
 @dataclass

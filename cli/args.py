@@ -1,0 +1,119 @@
+"""Options shared by the command groups, parsed into validated models; every mistake is a
+`UsageError`: one line, exit 2."""
+from __future__ import annotations
+
+import argparse
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def gpu_classes() -> str:
+    from typing import get_args
+
+    from targets import GPUClassName
+
+    return ", ".join(("any",) + get_args(GPUClassName))
+
+
+def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
+    """The target's options; `kernel`: also those only the kernel stages read (shapes, tolerance,
+    input sets), which the end-to-end commands do not take."""
+    g = p.add_argument_group("target")
+    g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    g.add_argument("--gpu-class", default="any", help=f"run only on this GPU class ({gpu_classes()})")
+    if kernel:
+        g.add_argument("--decode-batches", type=ints, help="e.g. 1,8,32,128 (default from the preset)")
+        g.add_argument("--prefill-tokens", type=ints, help="e.g. 2048,16384")
+        g.add_argument("--contexts", type=ints, help="attention context lengths, e.g. 4096,32768")
+        g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
+        g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
+    g.add_argument("--stage-timeout", type=float, default=600.0, help="seconds one stage may run")
+
+
+def validated(model, data: dict, what: str):
+    """A pydantic model from options, its first error as a usage error."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UsageError(f"bad {what}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
+    from targets import TINY_WORKLOAD, Target, Workload, is_tiny
+
+    data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class,
+            "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
+                       "stage_timeout_s": args.stage_timeout}}
+    if hasattr(args, "rtol"):  # the kernel options (add_target_options)
+        data |= {"rtol": args.rtol, "seeds": args.seeds}
+        workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")
+                    if getattr(args, k) is not None}
+        if workload:
+            base = TINY_WORKLOAD if is_tiny(args.model) else Workload()
+            data["workload"] = base.model_dump() | workload
+    return validated(Target, data, "target")
+
+
+def pool_of(path: str | None):
+    from gpu_pool.pool_file import PoolFileError, load_pool
+
+    try:
+        return load_pool(path)
+    except PoolFileError as e:
+        raise UsageError(f"bad pool file: {e}") from None
+
+
+def pool_with(path: str | None, gpu_class: str):
+    """The pool and its slots of the class, refused before anything starts when it has none."""
+    pool = pool_of(path)
+    slots = pool.slots(gpu_class)
+    if not slots:
+        has = ", ".join(sorted({h.gpu_class for h in pool.hosts}))
+        raise UsageError(f"the pool has no host of GPU class {gpu_class} (its hosts' classes: {has})")
+    return pool, slots
+
+
+def op_named(name: str):
+    from engine_templates.ops import OPS
+
+    if name not in OPS:
+        raise UsageError(f"unknown op {name!r}; known: {', '.join(sorted(OPS))}")
+    return OPS[name]
+
+
+def shapes_fit(op, target) -> None:
+    """An op that cannot take this model (fused_moe on a dense preset, say) is a usage error."""
+    w = target.workload
+    try:
+        op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+    except ValueError as e:
+        raise UsageError(f"{op.name} on {target.model}: {e}") from None
+
+
+def open_store() -> None:
+    """Open the tracking store before a flow starts: a store this MLflow cannot open is then one
+    line (TrackingStoreError, in main) rather than a traceback that Prefect logs from the flow."""
+    from tracking.store import TrackingConfig, client
+
+    client(TrackingConfig.from_env())

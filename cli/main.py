@@ -1,0 +1,68 @@
+"""The `infersmith` parser and entry point: each command group adds its own commands."""
+from __future__ import annotations
+
+import os
+import sys
+
+from cli import engine, gauntlet, op, pool, serve
+from cli.args import USAGE_ERROR, Parser, UsageError
+from tracking.errors import TrackingStoreError
+
+GROUPS = (op, gauntlet, pool, serve, engine)
+
+
+def _prefect_unreachable(e: BaseException) -> str | None:
+    """The URL of the Prefect server that PREFECT_API_URL names, where `e` (or what it arose
+    from) is a request to it that could not connect; else None."""
+    import httpx
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    while url and e is not None:
+        if isinstance(e, httpx.TransportError):
+            try:
+                if str(e.request.url).startswith(url.rstrip("/")):
+                    return url
+            except RuntimeError:  # raised without its request
+                pass
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def build_parser():
+    p = Parser(prog="infersmith", description="LLM-inference optimization that cannot be gamed.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for group in GROUPS:
+        group.add_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Prefect's telemetry writes to its database while the ephemeral server starts: off.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+    try:
+        args = build_parser().parse_args(argv)
+        if getattr(args, "budget", 1) < 1:
+            raise UsageError("--budget must be at least 1")
+        return args.fn(args)
+    except UsageError as e:
+        print(f"infersmith: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except TrackingStoreError as e:
+        print(f"infersmith: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        url = _prefect_unreachable(e)
+        if url is None:
+            raise
+        print(f"infersmith: the Prefect server at {url} is unreachable: start it (`prefect server start`), "
+              "or unset PREFECT_API_URL to run on an ephemeral one", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("infersmith: interrupted; finished candidates are in MLflow", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

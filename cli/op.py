@@ -1,0 +1,158 @@
+"""Commands on one op: ops, evaluate, optimize, leaderboard, report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cli.args import UsageError, add_target_options, op_named, open_store, pool_with, shapes_fit, target_of
+
+
+def cmd_ops(args) -> int:
+    from engine_templates.models import PRESETS
+    from engine_templates.ops import OPS
+
+    for op in OPS.values():
+        print(f"{op.signature}\n    {op.summary}")
+        for t in op.templates.values():
+            print(f"    template {t.name}: {t.size()} points over {', '.join(t.space)}")
+    print("model presets: " + ", ".join(PRESETS))
+    return 0
+
+
+def _verdict_text(v: dict, result: dict) -> str:
+    lines = [f"status: {v['status']}"]
+    lines += [f"  {'ok  ' if g['passed'] else 'FAIL'} {g['name']}: {g['detail']}" for g in v["gates"]]
+    for t in v["timings"]:
+        us = (t["candidate_us"] + t["candidate_us_repeat"]) / 2  # ShapeTiming.measured_us
+        comp = f"  compile {t['compile_us']:.1f} us" if t["compile_us"] else ""
+        lines.append(f"  {t['label']}: {us:.1f} us  eager {t['eager_us']:.1f} us{comp}"
+                     f"  roofline {100 * t['roofline_us'] / us:.1f}%")
+    if v["timings"] and not v["device"].get("gpu_timing"):
+        lines.append("  (no GPU: timings are the Triton interpreter's and say nothing about a GPU)")
+    stages = ", ".join(f"{k.split('/')[1]} {v:.1f} s" for k, v in result.items() if k.startswith("stage_seconds/"))
+    lines.append(f"mlflow run: {result['run_id']}  gpu_seconds: {result['gpu_seconds']:.1f} ({stages})")
+    return "\n".join(lines)
+
+
+def cmd_evaluate(args) -> int:
+    from contract.job import screen_signature
+
+    op = op_named(args.op)
+    target = target_of(args)
+    shapes_fit(op, target)
+    path = Path(args.candidate)
+    try:
+        source = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read candidate {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    problem = screen_signature(source, op.name, op.arg_names)
+    if problem:
+        raise UsageError(f"{path}: {problem}")
+    pool, _ = pool_with(args.pool, target.gpu_class)
+    from flows.evaluate_op import evaluate_candidate
+
+    open_store()
+    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=pool)
+    verdict = result["verdict"]
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(_verdict_text(verdict, result))
+    return 0 if verdict["status"] == "pass" else 1
+
+
+def cmd_optimize(args) -> int:
+    op = op_named(args.op)
+    target = target_of(args, candidates=args.budget, wall_clock=args.wall_clock, plateau=args.plateau)
+    shapes_fit(op, target)
+    if args.template and args.template not in op.templates:
+        raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
+    pool, _ = pool_with(args.pool, target.gpu_class)
+    from flows.optimize_op import optimize_op
+
+    open_store()
+    optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
+                pool=pool)
+    return 0
+
+
+def cmd_leaderboard(args) -> int:
+    from tracking.history import board
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    op = op_named(args.op)
+    from engine_templates.models import PRESETS
+
+    if args.limit < 1:
+        raise UsageError(f"--limit must be at least 1, not {args.limit}")
+    if args.model and args.model not in PRESETS:
+        raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+    ranked = board(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
+    rows = ranked.entries
+    n = ranked.fallbacks
+    left_out = (f"{n} passed candidate{'s' if n != 1 else ''} flagged reference_fallback left out (PyTorch's "
+                f"own {op.name} inside: the speed is torch's)") if n else ""
+    if not rows:
+        print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else "")
+              + (f" ({left_out})" if left_out else ""))
+        return 0
+    print(f"{'#':>3}  {'score':>7}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  {'device':<14}  candidate")
+    for e in rows:
+        fmt = lambda x, suffix="x": f"{x:.2f}{suffix}" if x else "-"
+        note = "" if e.gpu_timing else " (interpreter timing)"
+        print(f"{e.rank:>3}  {fmt(e.score):>7}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
+              f"{fmt(e.pct_roofline, '%'):>6}  {e.device[:14]:<14}  {e.label}  [{e.target}]{note}")
+    if left_out:
+        print(left_out)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from tracking.report import report
+    from tracking.schema import Tracker
+    from tracking.store import TrackingConfig
+
+    ops = [op_named(args.op).name] if args.op else None
+    from engine_templates.ops import OPS
+
+    tracker = Tracker(TrackingConfig.from_env())
+    for name in ops or list(OPS):
+        print(report(tracker, name, gpu_only=not args.include_cpu))
+    return 0
+
+
+def add_commands(sub) -> None:
+    """ops, evaluate, optimize, leaderboard, report."""
+    sub.add_parser("ops", help="list the ops, their signatures and templates").set_defaults(fn=cmd_ops)
+
+    e = sub.add_parser("evaluate", help="run one candidate file through compile, check and microbench")
+    e.add_argument("--op", required=True)
+    e.add_argument("--candidate", required=True, help="Python file defining a function named after the op")
+    e.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    e.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
+    add_target_options(e)
+    e.set_defaults(fn=cmd_evaluate)
+
+    o = sub.add_parser("optimize", help="search an op's template space for the target")
+    o.add_argument("--op", required=True)
+    o.add_argument("--budget", type=int, default=16, help="candidates to evaluate (default 16)")
+    o.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
+    o.add_argument("--template", help="template to search (default: the op's first)")
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
+    o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
+    add_target_options(o)
+    o.set_defaults(fn=cmd_optimize)
+
+    lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first")
+    lb.add_argument("--op", required=True)
+    lb.add_argument("--model", help="only this model preset")
+    lb.add_argument("--limit", type=int, default=20, help="rows shown, at least 1 (default 20)")
+    lb.set_defaults(fn=cmd_leaderboard)
+
+    r = sub.add_parser("report", help="markdown tables of the best candidate per shape vs eager and compile")
+    r.add_argument("--op", help="only this op (default: every op)")
+    r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
+    r.set_defaults(fn=cmd_report)

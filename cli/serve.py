@@ -1,0 +1,217 @@
+"""The end-to-end commands: serve-bench and optimize-engine, with the serving options they share."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from cli.args import UsageError, add_target_options, open_store, pool_with, target_of, validated
+
+
+def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
+    """The target with its serving settings: the preset's, a --serving file over them, then options."""
+    import yaml
+
+    from contract.serve import BASELINE_ENGINES as ENGINES
+    from targets import Serving
+
+    target = target_of(args, candidates, wall_clock)
+    serving = target.serving.model_dump()
+    if args.serving:
+        try:
+            loaded = yaml.safe_load(Path(args.serving).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read serving file {args.serving}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"{args.serving}: not a text file (not UTF-8)") from None
+        except yaml.YAMLError as e:
+            raise UsageError(f"{args.serving}: not valid YAML or JSON ({str(e).splitlines()[0]})") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"{args.serving}: expected a mapping of serving settings (traffic, accuracy, ...)")
+        serving |= loaded
+    if args.baseline:
+        serving["baseline"] = args.baseline
+    if args.margin is not None:
+        serving["margin"] = args.margin
+    checked = validated(Serving, serving, "serving settings")
+    if args.patterns:
+        known = [p.name for p in checked.traffic]
+        unknown = sorted(set(args.patterns) - set(known))
+        if unknown:
+            raise UsageError(f"no traffic pattern {', '.join(unknown)}; the target has {', '.join(known)}")
+        checked = checked.model_copy(update={"traffic": [p for p in checked.traffic if p.name in args.patterns]})
+    if checked.baseline != "reference" and checked.baseline not in ENGINES:
+        _check_command(checked.baseline, "--baseline" if args.baseline else f"{args.serving}: baseline")
+    return target.model_copy(update={"serving": checked})
+
+
+SERVER_PLACEHOLDERS = ("port", "model_dir", "name", "replica")
+
+
+def _check_command(command: str, what: str) -> None:
+    """A server command is filled in and split as the end-to-end stage will (harness/serve/stage.py,
+    command_argv): a mistake there is a usage error now, not a crash after the reference ran."""
+    known = ", ".join(f"{{{p}}}" for p in SERVER_PLACEHOLDERS)
+    try:
+        filled = command.format(port=8000, model_dir="/model", name="model", replica=0)
+    except KeyError as e:
+        raise UsageError(f"{what}: unknown placeholder {{{e.args[0]}}} in {command!r}; known: {known}") from None
+    except (IndexError, AttributeError, ValueError) as e:
+        raise UsageError(f"{what}: cannot fill in {command!r} ({e}); placeholders: {known}, "
+                         "and a literal brace is written {{ or }}") from None
+    try:
+        argv = shlex.split(filled)
+    except ValueError as e:
+        raise UsageError(f"{what}: {command!r} cannot be split like a shell line: {e}") from None
+    if not argv:
+        raise UsageError(f"{what}: the command is empty")
+
+
+def _model_dir(path: str) -> Path:
+    d = Path(path)
+    if not (d / "config.json").is_file() or not (d / "tokenizer.json").is_file():
+        raise UsageError(f"not a model directory (config.json and tokenizer.json): {path}")
+    return d.resolve()
+
+
+def _serve_place(args, target):
+    """The pool and the model directory, refused at once when no host can run the target's
+    replicas. Where a slot is this machine the directory is checked here; a pool host is asked
+    before the run whether it has the directory (a path there: no checkpoint is shipped), aiperf,
+    torch, transformers and aiohttp, so that a lack is one line, not a crash. A baseline named by
+    engine (vllm, sglang) is asked of every host, this machine included: its python must import it."""
+    from contract.serve import BASELINE_ENGINES as ENGINES
+    from gpu_pool.check import serve_problems
+
+    pool, slots = pool_with(args.pool, target.gpu_class)
+    problem = pool.group_problem(target.gpu_class, target.serving.replicas)
+    if problem:
+        raise UsageError(f"serving.replicas: {problem}")
+    if any(s.host.is_local for s in slots):
+        model_dir = str(_model_dir(args.model_dir))
+    elif not Path(args.model_dir).is_absolute():
+        raise UsageError(f"--model-dir must be an absolute path on the pool hosts, not {args.model_dir}")
+    else:
+        model_dir = args.model_dir
+    engine = target.serving.baseline in ENGINES
+    hosts = {s.host.name: s.host for s in slots if engine or not s.host.is_local}
+    lacks = [f"host {name}: {line}" for name, host in hosts.items()
+             for line in serve_problems(host, model_dir, target.serving.baseline)]
+    if lacks:
+        raise UsageError("; ".join(lacks))
+    return pool, model_dir
+
+
+def _kernels(path: str | None) -> dict:
+    """A kernels file as the engine reads it (relative paths resolved), back to its JSON form."""
+    if not path:
+        return {}
+    from engine_templates.engine.config import EngineSetupError
+    from engine_templates.engine.kernels import parse_kernels_file
+
+    try:
+        specs = parse_kernels_file(Path(path))
+    except EngineSetupError as e:
+        raise UsageError(str(e)) from None
+    return {op: {k: v for k, v in vars(spec).items() if v} for op, spec in specs.items()}
+
+
+def _serve_errors():
+    from contract.serve import AIPerfError, ServerError
+    from gpu_pool.health import HostFault
+    from gpu_pool.ssh_serve import ServeSetupError
+
+    # HostFault: every host of the pool failed (the dispatch retried on the others first)
+    return AIPerfError, ServerError, ServeSetupError, HostFault
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def cmd_serve_bench(args) -> int:
+    target = _serve_target(args)
+    if args.candidate is not None:
+        _check_command(args.candidate, "--candidate")
+    kernels = _kernels(args.kernels)
+    pool, model_dir = _serve_place(args, target)
+    from flows.optimize_engine import serve_bench
+
+    open_store()
+    try:
+        result = serve_bench(model_dir, target, kernels, args.candidate, pool)
+    except _serve_errors() as e:
+        print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    else:
+        rows = [["pattern", "metric", "better", "candidate", "baseline", "vs baseline"]]
+        rows += [[r["pattern"], r["metric"], r["better"], _fmt(r["candidate"]), _fmt(r["baseline"]),
+                  "-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.3g}x"] for r in result["table"]]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        for g in result["gates"]:
+            print(f"{g['name']}: {'ok' if g['passed'] else 'FAILED'}  {g['detail']}")
+        print(f"verdict: {result['line']}  (MLflow run {result['run_id']})")
+    return 0 if result["verdict"] == "pass" else 1
+
+
+def cmd_optimize_engine(args) -> int:
+    if args.kernels_per_op < 0:
+        raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
+    target = _serve_target(args, args.budget, args.wall_clock)
+    include = [{"kernels": _kernels(k)} for k in args.include or []]
+    pool, model_dir = _serve_place(args, target)
+    from flows.optimize_engine import optimize_engine
+
+    open_store()
+    try:
+        result = optimize_engine(model_dir, target, args.seed, args.kernels_per_op, include, pool,
+                                 proposer=args.proposer)
+    except _serve_errors() as e:
+        print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
+        return 1
+    return 0 if result["candidates"] else 1
+
+
+def _add_serve_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, help="HF-format checkpoint directory the servers load "
+                                                       "(with --pool: a path on the pool hosts)")
+    p.add_argument("--baseline", help='the server to beat: "reference" (default: the HF transformers reference '
+                                      'server), "vllm", "sglang" (that engine\'s server, which the python '
+                                      'running the servers must import), or a command with {port}, '
+                                      '{model_dir}, {name}, {replica}')
+    p.add_argument("--serving", help="YAML or JSON file of serving settings (traffic, accuracy, margin, baseline)")
+    p.add_argument("--patterns", type=lambda t: [x for x in t.split(",") if x],
+                   help="only these traffic patterns, comma-separated")
+    p.add_argument("--margin", type=float, help="every metric must beat the baseline by this fraction (default 0.02)")
+    p.add_argument("--pool", help="pool.yaml (default: this machine)")
+    add_target_options(p, kernel=False)
+
+
+def add_commands(sub) -> None:
+    """serve-bench, optimize-engine."""
+    sb = sub.add_parser("serve-bench", help="serve the engine (or a command's server) and the baseline under "
+                                            "AIPerf; print the side-by-side table")
+    sb.add_argument("--kernels", help="kernels file for the engine (default: every op eager)")
+    sb.add_argument("--candidate", help="judge the server this command starts instead of the engine "
+                                        "({port}, {model_dir}, {name}, {replica} are filled in)")
+    sb.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_serve_options(sb)
+    sb.set_defaults(fn=cmd_serve_bench)
+
+    oe = sub.add_parser("optimize-engine", help="search engine configurations end to end against the baseline")
+    oe.add_argument("--budget", type=int, default=8, help="configurations to evaluate (default 8)")
+    oe.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
+    oe.add_argument("--seed", type=int, default=0)
+    oe.add_argument("--kernels-per-op", type=int, default=2,
+                    help="best GPU-timed leaderboard kernels offered per op besides eager (default 2; "
+                         "0: every op eager, only the engine's knobs searched)")
+    oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
+    oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    _add_serve_options(oe)
+    oe.set_defaults(fn=cmd_optimize_engine)

@@ -1,0 +1,17 @@
+"""The propose stage: new candidates from a proposer, given every trial tracking holds."""
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from contract.job import Candidate
+from engine_templates.ops import get_op
+from tracking.trials import Trial
+
+
+@task(name="propose", cache_policy=NO_CACHE)
+def propose(proposer: str, op: str, template: str, seed: int, history: list[Trial], n: int) -> list[Candidate]:
+    """Up to n new candidates from the proposer, given every trial tracking holds."""
+    from proposers import make_proposer
+
+    return make_proposer(proposer, op, get_op(op).templates[template], seed).propose(history, n)
