@@ -21,12 +21,12 @@ for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
         # The flow stops proposing when another candidate would end after OP_TIMEOUT (--wall-clock)
         # and finishes the one in flight; the hard limit is for a stage that hangs. SIGINT, not
         # SIGTERM: the flow then stops like a Ctrl-C, closing its runs.
-        timeout -s INT -k 30 "$(( ${OP_TIMEOUT:-900} + ${HARD_MARGIN:-180} ))" python3 -m flows.cli optimize \
+        timeout -s INT -k 30 "$(( ${OP_TIMEOUT:-900} + ${HARD_MARGIN:-180} ))" python3 -m cli optimize \
             --op "$op" --model "$model" --budget "${BUDGET:-8}" --proposer tpe --wall-clock "${OP_TIMEOUT:-900}" \
             ${EXTRA:-} 2>&1 | grep --line-buffered -E "^\S+ \| INFO +\| Flow run .* - (\[|stopped|optimizing)|Error|error" \
             | sed -u -E 's/^.* - //' | tee -a "$out/bench.log"
         # After every op, so that a call cut short still brings back what finished.
-        python3 -m flows.cli report > "$out/report.md" 2>> "$out/bench.log"
+        python3 -m cli report > "$out/report.md" 2>> "$out/bench.log"
         pack_home
     done
 done

@@ -27,7 +27,7 @@ for model in ${MODELS:-qwen3-8b}; do
             2>&1 | tee -a "$out/serve.log" || exit 1
     fi
     echo "== serve-bench $model" | tee -a "$out/serve.log"
-    python3 -m flows.cli serve-bench --model-dir "$dir" --model "$model" \
+    python3 -m cli serve-bench --model-dir "$dir" --model "$model" \
         ${serving:+--serving "$serving"} --stage-timeout "${STAGE_TIMEOUT:-600}" \
         ${kernels:+--kernels "$kernels"} > "$out/serve-$model.txt" 2> "$out/serve-$model.log"
     echo "exit $?" | tee -a "$out/serve.log"
