@@ -23,7 +23,7 @@ harness's figure carries launch latency.
 Every template point's output is checked against the float64 reference: the last input set's
 output as the graph's last replay left it, so a fast point that combines wrongly shows as an error, not a time.
 Percentages are of the shape's roofline bytes at the copy bandwidth given (--copy-tbps, default
-the H200's measured 4.25 TB/s, ../shared/ANCHORS.md).
+an H200 measured 4.25 TB/s).
 
 Usage (a GPU host, repo root): python3 bench/decode_attention_probe.py [--presets qwen3-8b,...]
     [--contexts 4096,32768] [--quick]

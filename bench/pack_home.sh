@@ -1,7 +1,7 @@
 # Sourced by bench/gpu_env.sh (needs `out` and INFERSMITH_HOME): pack_home leaves the tracking
 # store in $out/home.tgz and, with ARCHIVE set, everything in `out` in one more file (tar.gz),
-# rewritten each time: a device that returns only a few files per call (the lent H200: 8) gets
-# one that holds them all.
+# rewritten each time: a remote runner that returns only a few files per run gets one
+# that holds them all.
 pack_home() {
     tar czf "$out/home.tgz" -C "$(dirname "$INFERSMITH_HOME")" "$(basename "$INFERSMITH_HOME")" || return 1
     if [ -n "${ARCHIVE:-}" ]; then

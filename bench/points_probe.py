@@ -20,7 +20,7 @@ Usage (a GPU host, repo root):
         [--prefill 2048,16384] [--contexts 4096] [--template rows]
         [--grid "num_warps=2,4,8,16 block_n=0,1024"] [--copy-tbps 4.25]
 Prints per shape one line per variant: µs, % of the roofline bytes at --copy-tbps (default the
-H200's measured 4.25 TB/s, ../shared/ANCHORS.md), and the ratio torch.compile / it (>1: faster).
+an H200 measured 4.25 TB/s), and the ratio torch.compile / it (>1: faster).
 """
 from __future__ import annotations
 

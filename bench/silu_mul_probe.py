@@ -1,5 +1,5 @@
 """silu_mul at decode shapes, where the flat template trailed torch.compile (qwen3-30b-a3b batch
-32: every candidate 2.12-2.16 us against 1.84, docs/BENCHMARKS.md fifth session): the template
+32: every candidate 2.12-2.16 us against 1.84, docs/BENCHMARKS.md): the template
 (64-bit offsets, always masked) against a variant (even32: 32-bit offsets, no mask when the block
 divides the tensor) over blocks and warps, with eager and torch.compile in the same run.
 

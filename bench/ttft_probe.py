@@ -2,7 +2,7 @@
 
 `engine bench` measured 21.9 ms at 512 prompt tokens on qwen3-8b (in-process, a prompt right
 after another); `engine serve` answered the same length in 37-75 ms with the request taken by
-the engine thread within 1.5 ms (docs/BENCHMARKS.md, 2026-12-03 third session). This probe
+the engine thread within 1.5 ms (docs/BENCHMARKS.md). This probe
 times one 512-token prompt's first token in-process, on random weights of a preset, changing
 one thing at a time between the two:
 

@@ -82,7 +82,7 @@ class Rules:
     # Shapes whose roofline is under this are timed by CUDA-graph replay (harness.timing.by_graph).
     # It was 50 until 2026-12-04: calls of 60-140 us were timed with events, and the host's time to
     # issue them fell into the timing (torch.compile's rmsnorm at 16384 x 4096: 141 us by events
-    # in a flow, 77 us by graph; docs/BENCHMARKS.md ninth session).
+    # in a flow, 77 us by graph; docs/BENCHMARKS.md).
     launch_bound_us: float = 1000.0
     compile_baseline: bool = True
     memory_mb: int = 16384  # resident host memory of the candidate's process before it is killed

@@ -23,7 +23,7 @@ CACHE_DIR = Path(os.environ.get("INFERSMITH_CACHE", Path.home() / ".cache" / "in
 # share. The cache is a file the candidate's own process could write (the sandbox does not
 # isolate the file system): a forged figure would move every later roofline on the host and
 # loosen or tighten the speed-of-light gate. On the H200 two processes' copy figures differ by
-# about 1.3% (docs/BENCHMARKS.md, tenth session).
+# about 1.3% .
 AGREE = 0.15
 KEYS = ("copy_bytes_per_s", "matmul_flops_per_s")
 

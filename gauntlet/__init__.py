@@ -1,5 +1,5 @@
 """The gauntlet's suites as data: `manifest.toml` lists every red-team and honest candidate,
-the vector of shared/GAUNTLET.md it stands for, and the verdict it must get. The files
+the vector of docs/gates.md it stands for, and the verdict it must get. The files
 live beside it, one folder per op, so a worker bundle carries them to any host."""
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class Judge:
             # process's GPU work has finished too, the sandbox may time. With this judging still
             # on the GPU, torch.compile's graph replays at the next shape read 15% faster than
             # timed alone (silu_mul, qwen3-30b-a3b decode_b32 on the H200: 1.81 against 2.14 us;
-            # docs/BENCHMARKS.md, eighth session).
+            # docs/BENCHMARKS.md).
             if self.device == "cuda":
                 torch.cuda.synchronize()
             if not self._go():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 # Every timer and reduction a measurement goes through is bound here, at import, before any
-# candidate exists (../shared/GAUNTLET.md, timer patching): a candidate that swaps one on its
+# candidate exists (docs/gates.md, timer patching): a candidate that swaps one on its
 # module or class (`statistics.median`, `torch.cuda.Event.elapsed_time`, `torch.cuda.synchronize`)
 # does not steer a figure, even if it puts the original back before the identity check
 # (harness/integrity.py) looks. The events are recorded on a stream named here, not on whatever
@@ -98,8 +98,8 @@ def by_graph(device: str, roofline_us: float, launch_bound_us: float) -> bool:
     (torch.compile's guards and wrapper do the most host work), the device waits between calls
     and the wait is timed too. A graph replay issues every call of a replay at once. Past the
     bound a call keeps the device busy for at least 1 ms, seven times the longest events figure
-    seen for torch.compile at these shapes (141 us). docs/BENCHMARKS.md, 2026-12-04 ninth
-    session: rmsnorm at qwen3-8b prefill_16384, roofline 63 us, timed with events at 67.5-76 us
+    seen for torch.compile at these shapes (141 us). On an H200 (docs/BENCHMARKS.md):
+    rmsnorm at qwen3-8b prefill_16384, roofline 63 us, timed with events at 67.5-76 us
     for the same kernel and 76-141 us for torch.compile, and by graph at 67.2-67.3 and 76.1-76.7."""
     return device == "cuda" and roofline_us < launch_bound_us
 

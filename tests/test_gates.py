@@ -138,14 +138,14 @@ def test_ops_declare_their_persistent_arguments():
 
 def test_shapes_under_a_millisecond_of_roofline_are_timed_by_graph():
     """Events would time the host's issue time with the call wherever the host is the slower
-    (docs/BENCHMARKS.md, ninth session): every shape under 1 ms of roofline is graph-timed on a
+    (docs/BENCHMARKS.md): every shape under 1 ms of roofline is graph-timed on a
     GPU, the large prefill calls included; a call far past it keeps events; a CPU never graphs."""
     from contract.job import Rules
     from engine_templates.models import PRESETS
     from engine_templates.ops import get_op
     from harness.timing import by_graph
 
-    bound, h200_copy = Rules().launch_bound_us, 4.25e6  # bytes a microsecond (../shared/ANCHORS.md)
+    bound, h200_copy = Rules().launch_bound_us, 4.25e6  # bytes a microsecond (an H200's measured copy rate)
     rms = get_op("rmsnorm")
     big = rms.shapes(PRESETS["qwen3-8b"], [], [16384], [])[0]
     roof = rms.bytes(big, torch.bfloat16) / h200_copy

@@ -1,5 +1,5 @@
 """The gauntlet on this machine: every red-team candidate is rejected by the gate its vector
-names, and every honest candidate passes (shared/GAUNTLET.md; gauntlet/manifest.toml).
+names, and every honest candidate passes (docs/gates.md; gauntlet/manifest.toml).
 Real supervisor and sandbox processes, Triton's interpreter when there is no GPU.
 
 CI runs every rmsnorm and silu_mul case. For the engine's other ops (not rope, which the

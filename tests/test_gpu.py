@@ -1,4 +1,4 @@
-"""On a real GPU (the lent H200): timings are GPU timings, ceilings are measured, gates hold.
+"""On a real GPU: timings are GPU timings, ceilings are measured, gates hold.
 Skipped where CUDA is not available (CI)."""
 from __future__ import annotations
 

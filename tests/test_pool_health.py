@@ -1,6 +1,6 @@
 """Host health: what counts as the GPU's fault. A crash whose output names a GPU error only makes
 the pool ask the device itself; a candidate that prints such an error benches no host. Real stage
-processes on this machine's slot (a GPU slot: the lent H200, where there is one)."""
+processes on this machine's slot (a GPU slot, where there is one)."""
 from __future__ import annotations
 
 import pytest

@@ -1,12 +1,11 @@
-"""Diagnostic (ninth session, docs/BENCHMARKS.md): print a bench job for `python -m harness`,
+"""Diagnostic (docs/BENCHMARKS.md): print a bench job for `python -m harness`,
 the op's template default at the preset's prefill shapes, so that one stage can be run through
 supervisor and sandbox without a flow:
 
     python3 bench/diagnostics/bench_job.py rmsnorm [qwen3-8b] > job.json
     python3 -m harness job.json --out verdict.json
 
-Run as `.device/job_rms.py` in the ninth session (the preset fixed at qwen3-8b); committed with
-the preset argument and a refusal for an unknown op or preset.
+An unknown op or preset is refused.
 """
 import sys
 

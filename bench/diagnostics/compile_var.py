@@ -1,4 +1,4 @@
-"""Diagnostic (eighth session, docs/BENCHMARKS.md): torch.compile's baseline of fused_add_rmsnorm
+"""Diagnostic (docs/BENCHMARKS.md): torch.compile's baseline of fused_add_rmsnorm
 at qwen3-8b decode batches 8 and 32, built as the harness builds it, against the template's
 default point, timed as the harness times (CUDA graph over rotated sets) and by CUPTI kernel
 time. Run it in several processes, with Inductor's caches off, to see which kernel Inductor's

@@ -1,4 +1,4 @@
-"""Diagnostic (tenth session, docs/BENCHMARKS.md): what a call's time is made of at the prefill
+"""Diagnostic (docs/BENCHMARKS.md): what a call's time is made of at the prefill
 shapes where a norm misses 88% of copy bandwidth, beside a device copy of the same bytes.
 
     python3 bench/diagnostics/fixed_cost.py

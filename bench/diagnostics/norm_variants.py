@@ -1,4 +1,4 @@
-"""Diagnostic (ninth session, docs/BENCHMARKS.md): the norm templates' whole-row kernel against
+"""Diagnostic (docs/BENCHMARKS.md): the norm templates' whole-row kernel against
 variants of itself and against torch.compile, timed as the harness times (CUDA graph over rotated
 sets) and by CUPTI kernel time.
 
@@ -8,7 +8,7 @@ sets) and by CUPTI kernel time.
     python3 bench/diagnostics/norm_variants.py modes         # fused_add_rmsnorm qwen3-8b decode_b8:
                                                              # torch.compile's modes, one process each time
 
-The variants: `base` is the template's kernel as committed before this session (the weight loaded
+The variants: `base` is the template's kernel as first committed (the weight loaded
 after the row's reduction); `hoist` loads the weight with the row, before the reduction, so its
 latency overlaps the row's; `evict` is `hoist` with the row's loads marked evict_first and the
 weight's evict_last. Each is run at the automatic warp count and, for `hoist`, at 4, 8 and 16.

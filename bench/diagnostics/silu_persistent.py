@@ -1,4 +1,4 @@
-"""Diagnostic (tenth session, docs/BENCHMARKS.md): silu_mul's template against a persistent,
+"""Diagnostic (docs/BENCHMARKS.md): silu_mul's template against a persistent,
 grid-stride variant of its kernel at prefill_2048 of both presets: whether a grid of a few
 programs per SM, each looping over blocks, removes the per-call cost that keeps the template
 under 88% of copy bandwidth at qwen3-30b-a3b. Timed as the harness times (a CUDA graph over
@@ -6,10 +6,8 @@ rotated input sets); every variant is checked against the float64 reference firs
 
     python3 bench/diagnostics/silu_persistent.py
 
-Run as a scratch script (.device/persist.py) in the tenth session; committed with a refusal
-without a GPU, and without its line for a copy of the same bytes (that line read one source
-buffer for every input set, so the L2 could serve it: bench/diagnostics/fixed_cost.py measures
-the copy properly).
+It refuses to run without a GPU. It has no line for a copy of the same bytes:
+bench/diagnostics/fixed_cost.py measures the copy over rotated buffers, so the L2 cannot serve it.
 """
 from __future__ import annotations
 

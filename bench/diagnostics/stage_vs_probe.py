@@ -1,4 +1,4 @@
-"""Diagnostic (eighth session, docs/BENCHMARKS.md): silu_mul at qwen3-30b-a3b, the harness's
+"""Diagnostic (docs/BENCHMARKS.md): silu_mul at qwen3-30b-a3b, the harness's
 bench stage run in this process (no supervisor, no sandbox) against the probes' way of timing.
 
 Usage (a GPU host, repo root):

@@ -43,7 +43,7 @@ class HFOracle:
         from transformers import AutoModelForCausalLM
 
         # Eager attention by default: the plainest of transformers' attention paths, no fused kernel.
-        # Straight onto a GPU (device_map) where accelerate is installed (the lent H200 has it): no
+        # Straight onto a GPU (device_map) where accelerate is installed : no
         # host copy of the weights first, which for qwen3-30b-a3b (61 GB) beside its checkpoint in
         # /dev/shm would nearly fill the host's memory. Without accelerate (not a dependency of this
         # package) it loads on the host and then moves.

@@ -33,7 +33,7 @@ def _rmsnorm_rows(X, W, Y, n_rows, n_cols, stride_x, stride_y, eps,
             m = cols < limit
             # The weight is loaded with the row, before the reduction, so that its latency
             # overlaps the row's instead of following the sum (5-11% of the kernel's time at
-            # decode on an H200, docs/BENCHMARKS.md ninth session).
+            # decode on an H200, docs/BENCHMARKS.md).
             w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
