@@ -117,3 +117,17 @@ def test_optimize_leaves_the_targets_leaderboard_when_other_targets_of_the_model
     path = tracker.client.download_artifacts(parent.info.run_id, "leaderboard.json", str(tracking_home / "dl"))
     rows = json.loads(Path(path).read_text())
     assert rows and all(r["target"] == target.key() for r in rows), rows
+
+
+def test_opening_the_store_leaves_the_artifact_folder_where_the_home_says(tmp_path, monkeypatch):
+    """The CLI opens the store before the flow resolves its own TrackingConfig: opening it must not
+    turn the embedded store into what looks like a server's (MLFLOW_TRACKING_URI set), or the
+    flow's artifacts would land in ./mlruns instead of INFERSMITH_HOME/artifacts."""
+    from tracking.store import TrackingConfig, client
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path / "home"))
+    client(TrackingConfig.from_env())
+    after = TrackingConfig.from_env()
+    assert after.artifact_root == (tmp_path / "home" / "artifacts").as_uri()
+    assert after.uri == f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"

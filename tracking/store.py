@@ -38,7 +38,9 @@ def _schema_revision_known(revision: str) -> bool:
 
 
 def client(cfg: TrackingConfig) -> MlflowClient:
-    mlflow.set_tracking_uri(cfg.uri)
+    # No mlflow.set_tracking_uri: it sets MLFLOW_TRACKING_URI in this process's environment, and
+    # every later TrackingConfig.from_env() would then take the store for a server's and lose the
+    # artifact folder.
     try:  # the client opens the store: a store from another MLflow fails here, in one line
         return MlflowClient(tracking_uri=cfg.uri)
     except mlflow.exceptions.MlflowException as e:
