@@ -9,8 +9,8 @@ from mlflow.entities import Run, ViewType
 
 from contract.job import Candidate
 from contract.serve import EngineCandidate
-from tracking.schema import RunScope, T, Tracker
-from tracking.trials import PENDING, EngineTrial, Trial
+from tracking.schema import CEILING_METRICS, RunScope, T, Tracker
+from tracking.trials import PENDING, Ceilings, EngineTrial, Trial
 
 
 def _quote(v: str) -> str:
@@ -36,14 +36,39 @@ def search(tracker: Tracker, op: str, order_by: list[str] | None = None, like: d
             return runs
 
 
-def trials(tracker: Tracker, scope: RunScope, template: str) -> list[Trial]:
-    """Every trial of this op, target, GPU class and template, from any flow, finished or pending."""
+def trials(tracker: Tracker, scope: RunScope, template: str | None) -> list[Trial]:
+    """Every trial of this op, target, GPU class and template (None: every template and every free
+    candidate), from any flow, finished or pending, with what the run recorded."""
     out = []
-    for run in search(tracker, scope.op, target=scope.target_key, template=template,
-                      pool_class=scope.gpu_class):
-        cand = Candidate.from_dict(json.loads(run.data.tags[f"{T}candidate"]))
-        out.append(Trial(cand, run.data.tags.get(f"{T}status", "pending"), run.data.metrics.get("score")))
+    for run in search(tracker, scope.op, target=scope.target_key, pool_class=scope.gpu_class,
+                      **({"template": template} if template else {})):
+        tags = run.data.tags
+        bare = json.loads(tags[f"{T}candidate"])
+        if bare["kind"] == "free":
+            source = tracker.free_source(run.info.run_id)
+            if source is None:  # opened by a version that logged the source only when judged
+                continue
+            bare["source"] = source
+        out.append(Trial(Candidate.from_dict(bare), tags.get(f"{T}status", PENDING), run.data.metrics.get("score"),
+                         dict(run.data.metrics), tags.get(f"{T}failing_gate", ""),
+                         tags.get(f"{T}failing_detail", ""), run.info.start_time or 0))
     return out
+
+
+def ceilings(tracker: Tracker, gpu_class: str, dtype: str) -> Ceilings | None:
+    """The ceilings the latest GPU-timed candidate of this GPU class and dtype measured, any op."""
+    if gpu_class in ("mixed", "any", "cpu"):
+        return None
+    copy, matmul = CEILING_METRICS["copy_bytes_per_s"], CEILING_METRICS["matmul_flops_per_s"]
+    exps = [e.experiment_id for e in tracker.client.search_experiments() if e.name.startswith("infersmith-")]
+    where = (f"tags.`{T}kind` = 'candidate' AND tags.`{T}gpu_class` = {_quote(gpu_class)} AND "
+             f"tags.`{T}gpu_timing` = 'true' AND tags.`{T}target` LIKE {_quote(f'%/{dtype}/%')} AND "
+             f"metrics.`{copy}` > 0")
+    runs = tracker.client.search_runs(exps, where, max_results=1, order_by=["attributes.start_time DESC"]) if exps else []
+    if not runs:
+        return None
+    m, device = runs[0].data.metrics, runs[0].data.tags.get(f"{T}device", "")
+    return Ceilings(gpu_class, m[copy], m[matmul], device)
 
 
 @dataclass(frozen=True)

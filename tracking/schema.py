@@ -15,11 +15,13 @@ import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from contract.job import Candidate
@@ -31,6 +33,11 @@ from tracking.store import TrackingConfig, client, experiment_id
 PENDING = "pending"
 T = "infersmith."  # tag prefix
 MAX_PARAM = 500
+_SOURCES: dict[str, str] = {}  # free candidates' sources by run id, as downloaded
+MAX_DETAIL = 1000  # of a failing gate's detail kept as a tag; verdict.json holds all of it
+# The ceilings a GPU-timed verdict measured (keyed by its device["ceilings"] names), as metrics:
+# where the controller learns a GPU class's roofline (tracking.history.ceilings) without a worker.
+CEILING_METRICS = {"copy_bytes_per_s": "ceiling_copy_bytes_per_s", "matmul_flops_per_s": "ceiling_matmul_flops_per_s"}
 
 
 def _flatten(prefix: str, obj, out: dict[str, str]) -> dict[str, str]:
@@ -107,18 +114,31 @@ class Tracker:
         else:
             params["candidate.source_sha256"] = source_sha
         _batch(self.client, run.info.run_id, params=params)
+        if cand.source is not None:  # now, not when judged: a pending run is read back as a trial
+            self.client.log_text(run.info.run_id, cand.source, "candidate/candidate.py")
         return run.info.run_id
 
     def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
                          template_source: str | None = None) -> None:
-        _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics()}, tags=_finish_tags(verdict, charge))
-        if cand.source is not None:
-            self.client.log_text(run_id, cand.source, "candidate/candidate.py")
+        _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics(), **_ceilings(verdict)},
+               tags=_finish_tags(verdict, charge))
         if template_source is not None:
             self.client.log_text(run_id, template_source, f"candidate/{cand.template}.py")
             self.client.log_dict(run_id, cand.point, "candidate/point.json")
         self.client.log_text(run_id, verdict.to_json(), "verdict.json")
         self.client.set_terminated(run_id, "FAILED" if verdict.status == CRASH else "FINISHED")
+
+    def free_source(self, run_id: str) -> str | None:
+        """The module a free candidate's run holds (its tag holds none), or None where it holds none.
+        A logged source never changes, so each is downloaded once per process."""
+        if run_id not in _SOURCES:
+            with tempfile.TemporaryDirectory() as d:
+                try:
+                    path = self.client.download_artifacts(run_id, "candidate/candidate.py", d)
+                except (OSError, MlflowException):
+                    return None
+                _SOURCES[run_id] = Path(path).read_text()
+        return _SOURCES[run_id]
 
     # -- engine configurations (the end-to-end stage) ------------------------------
     def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate) -> str:
@@ -164,7 +184,12 @@ class Tracker:
                 parents[parent_id] = (parent.info.status != "RUNNING"
                                       or not controller_alive(parent.data.tags.get(f"{T}controller", "")))
             if parents[parent_id]:
-                out.append((run.info.run_id, Candidate.from_dict(json.loads(run.data.tags[f"{T}candidate"]))))
+                bare = json.loads(run.data.tags[f"{T}candidate"])
+                if bare["kind"] == "free":
+                    bare["source"] = self.free_source(run.info.run_id)
+                    if bare["source"] is None:  # opened by a version that logged no source when pending
+                        continue
+                out.append((run.info.run_id, Candidate.from_dict(bare)))
         return out
 
     def retire_orphan(self, run_id: str, requeued_to: str) -> None:
@@ -174,9 +199,17 @@ class Tracker:
         self.client.delete_run(run_id)
 
 
+def _ceilings(verdict: Verdict) -> dict[str, float]:
+    ceil = verdict.device.get("ceilings") or {}
+    if not verdict.gpu_timing or not all(isinstance(ceil.get(k), (int, float)) for k in CEILING_METRICS):
+        return {}
+    return {name: float(ceil[k]) for k, name in CEILING_METRICS.items()}
+
+
 def _finish_tags(verdict: Verdict, charge: Charge) -> dict[str, str]:
     failing = verdict.failing_gate
     return {f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
+            f"{T}failing_detail": failing.detail[:MAX_DETAIL] if failing else "",
             f"{T}host": charge.host, f"{T}gpu": charge.gpu, f"{T}gpu_class": charge.gpu_class,
             f"{T}gpu_index": "" if charge.gpu_index is None else str(charge.gpu_index),
             f"{T}held": json.dumps(charge.held),
