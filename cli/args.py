@@ -64,7 +64,9 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
 
     data = {"model": args.model, "dtype": args.dtype, "gpu_class": args.gpu_class,
             "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
-                       "stage_timeout_s": args.stage_timeout}}
+                       "stage_timeout_s": args.stage_timeout,
+                       "max_tokens_total": getattr(args, "max_tokens_total", None),
+                       "max_usd": getattr(args, "max_usd", None)}}
     if hasattr(args, "rtol"):  # the kernel options (add_target_options)
         data |= {"rtol": args.rtol, "seeds": args.seeds}
         workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")

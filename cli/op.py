@@ -4,7 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import sys
+
 from cli.args import UsageError, add_target_options, op_named, open_store, pool_with, shapes_fit, target_of
+from cli.llm import add_llm_options, llm_settings
 
 
 def cmd_ops(args) -> int:
@@ -67,12 +70,17 @@ def cmd_optimize(args) -> int:
     shapes_fit(op, target)
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
+    llm = llm_settings(args, target) if args.proposer == "llm" else None
     pool, _ = pool_with(args.pool, target.gpu_class)
     from flows.optimize_op import optimize_op
 
     open_store()
-    optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
-                pool=pool)
+    result = optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
+                         pool=pool, llm=llm)
+    if result["endpoint_down"]:
+        print(f"infersmith: proposing stopped: {result['endpoint_down']}; the {int(result['candidates'])} "
+              f"candidates judged are in MLflow (run {result['parent_run_id']})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -134,16 +142,20 @@ def add_commands(sub) -> None:
     add_target_options(e)
     e.set_defaults(fn=cmd_evaluate)
 
-    o = sub.add_parser("optimize", help="search an op's template space for the target")
+    o = sub.add_parser("optimize", help="search an op's template space, or have an LLM write kernels, for the target")
     o.add_argument("--op", required=True)
     o.add_argument("--budget", type=int, default=16, help="candidates to evaluate (default 16)")
-    o.add_argument("--proposer", choices=["random", "tpe"], default="tpe")
+    o.add_argument("--proposer", choices=["random", "tpe", "llm"], default="tpe",
+                   help="random or tpe: search the template's space; llm: a model writes free candidates")
     o.add_argument("--template", help="template to search (default: the op's first)")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
     o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
+    o.add_argument("--max-tokens-total", type=int, help="stop before the proposer's tokens would pass N")
+    o.add_argument("--max-usd", type=float, help="stop before the dollars spent (tokens and GPU time) would pass X")
     o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     add_target_options(o)
+    add_llm_options(o)
     o.set_defaults(fn=cmd_optimize)
 
     lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first")

@@ -1,7 +1,8 @@
 """The one JSON verdict a candidate's evaluation ends in.
 
 Status is `pass` only when every gate passed; `fail` when a gate rejected the candidate;
-`crash` when the process died, hung past its limit, or the harness could not finish.
+`crash` when the process died, hung past its limit, or the harness could not finish;
+`malformed` when a proposer's reply held no module to judge (the controller writes that one).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PASS, FAIL, CRASH = "pass", "fail", "crash"
+PASS, FAIL, CRASH, MALFORMED = "pass", "fail", "crash", "malformed"
 
 
 @dataclass
@@ -99,6 +100,10 @@ class Verdict:
     def crash(self, name: str, detail: str) -> None:
         self.gates.append(Gate(name, False, detail))
         self.status = CRASH
+
+    def malformed(self, detail: str) -> None:
+        self.gates.append(Gate("reply", False, detail))
+        self.status = MALFORMED
 
     def merge(self, later: Verdict) -> None:
         """Fold a later stage's verdict into this one."""

@@ -12,18 +12,21 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from contract.job import Candidate
+from contract.verdict import Verdict
 from engine_templates.ops import get_op
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
+from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line
-from tasks.propose import propose
-from tracking.history import board, trials
+from tasks.propose import propose, propose_code
+from tracking.history import board, ceilings, trials
+from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
-ProposerName = Literal["random", "tpe"]
+ProposerName = Literal["random", "tpe", "llm"]
 
 
 def scope_for(op: str, target: Target, pool: Pool) -> RunScope:
@@ -34,19 +37,31 @@ def scope_for(op: str, target: Target, pool: Pool) -> RunScope:
 
 
 class Progress:
-    """Stop rules and the running best: budget, wall clock, plateau."""
+    """Stop rules and the running best: budget, wall clock, plateau, tokens, dollars."""
 
     def __init__(self, target: Target):
         self.budget, self.started = target.budget, time.monotonic()
         self.done, self.passed, self.best, self.since_best = 0, 0, None, 0
         self.gpu_seconds = self.usd = 0.0
         self.host_seconds: dict[str, float] = defaultdict(float)
+        self.proposals, self.tokens = 0, Charge()  # what the proposer's replies cost, as they come
+
+    def spend(self, charge: Charge) -> None:
+        """A proposer's reply and its cost: counted when it arrives, judged or not."""
+        self.proposals += 1
+        for k in ("input_tokens", "cached_input_tokens", "output_tokens", "proposer_usd"):
+            setattr(self.tokens, k, getattr(self.tokens, k) + getattr(charge, k))
+
+    @property
+    def total_usd(self) -> float:
+        return self.usd + self.tokens.proposer_usd
 
     def record(self, o: Outcome) -> None:
         self.done += 1
         self.gpu_seconds += o.charge.gpu_seconds
         self.usd += o.charge.usd
-        self.host_seconds[o.charge.host] += o.charge.gpu_seconds
+        if o.charge.host:  # a malformed reply held no host
+            self.host_seconds[o.charge.host] += o.charge.gpu_seconds
         score = o.verdict.score()
         if score is not None:
             self.passed += 1
@@ -55,10 +70,24 @@ class Progress:
         else:
             self.since_best += 1
 
-    def may_launch(self, in_flight: int) -> bool:
-        return self.stop_reason() is None and self.done + in_flight < self.budget.candidates
+    def may_launch(self, in_flight: int, proposing: int = 0) -> bool:
+        return self.stop_reason(proposing) is None and self.done + in_flight < self.budget.candidates
 
-    def stop_reason(self) -> str | None:
+    def stop_reason(self, proposing: int = 0) -> str | None:
+        """Why nothing more may start, or None. `proposing`: replies awaited, which will cost
+        about what the replies so far did, each."""
+        b = self.budget
+        ahead = proposing + 1
+        if b.max_tokens_total is not None and self.proposals:
+            each = self.tokens.proposer_tokens / self.proposals
+            if self.tokens.proposer_tokens + ahead * each > b.max_tokens_total:
+                return (f"token budget of {b.max_tokens_total:,}: {self.tokens.proposer_tokens:,} spent, and another "
+                        f"reply (about {each:,.0f} tokens each so far) would pass it")
+        if b.max_usd is not None and (self.proposals or self.done):
+            each = self.tokens.proposer_usd / max(self.proposals, 1) + self.usd / max(self.done, 1)
+            if self.total_usd + ahead * each > b.max_usd:
+                return (f"$ budget of {b.max_usd:g}: ${self.total_usd:.4f} spent, and another candidate (about "
+                        f"${each:.4f} each so far) would pass it")
         if self.done >= self.budget.candidates:
             return f"budget of {self.budget.candidates} candidates spent"
         elapsed = time.monotonic() - self.started
@@ -73,7 +102,8 @@ class Progress:
 
     def metrics(self) -> dict[str, float]:
         m = {"candidates": self.done, "passed": self.passed, "gpu_seconds": self.gpu_seconds,
-             "cost_usd": self.usd, "wall_s": time.monotonic() - self.started}
+             "cost_usd": self.usd, "total_usd": self.total_usd, "wall_s": time.monotonic() - self.started}
+        m |= self.tokens.token_metrics()
         m |= {f"gpu_seconds/{host}": v for host, v in self.host_seconds.items()}
         return m | ({"best_score": self.best} if self.best is not None else {})
 
@@ -99,73 +129,128 @@ def claim_orphan(tracker: Tracker, parent: str, scope: RunScope, old_run: str, c
     return run_id
 
 
+def take_reply(p: Proposal, tracker: Tracker, parent: str, scope: RunScope, settings: LLMSettings) -> tuple[str, Charge]:
+    """A reply becomes a pending child run at once, with its tokens, dollars and transcript."""
+    u = p.usage
+    charge = Charge(input_tokens=u.input_tokens, cached_input_tokens=u.cached_input_tokens,
+                    output_tokens=u.output_tokens, proposer_usd=p.usd)
+    run_id = tracker.open_candidate(parent, scope, p.candidate)
+    tracker.log_proposal(run_id, charge, p.prompt, p.reply, {
+        "provider": settings.provider, "model": settings.model, "base_url": settings.base_url,
+        "stop_reason": p.stop_reason, "malformed": p.malformed, "price_per_million": (
+            settings.price.model_dump() if settings.price else None), **charge.token_metrics()})
+    return run_id, charge
+
+
+def malformed(p: Proposal, run_id: str, charge: Charge, tracker: Tracker) -> Outcome:
+    """A reply with no module to judge: its verdict is written here, no GPU held."""
+    verdict = Verdict(op=p.candidate.op, candidate_id=p.candidate.id)
+    verdict.malformed(p.malformed)
+    tracker.finish_candidate(run_id, p.candidate, verdict, charge)
+    return Outcome(p.candidate, verdict, charge, run_id)
+
+
 @flow(name="optimize-op", log_prints=True)
 def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: ProposerName = "tpe",
-                template: str | None = None, seed: int = 0, pool: Pool | None = None) -> dict:
+                template: str | None = None, seed: int = 0, pool: Pool | None = None,
+                llm: LLMSettings | None = None) -> dict:
     """Optimize one op for one target: every candidate, passing or not, becomes an MLflow run.
-    As many candidates run at once as the pool has free GPUs of the target's class."""
+    As many candidates run at once as the pool has free GPUs of the target's class; with the
+    `llm` proposer, as many replies are awaited at once as the pool has free slots."""
     spec = get_op(op)
     template = template or next(iter(spec.templates))
     if template not in spec.templates:
         raise ValueError(f"{op} has no template {template!r}; known: {', '.join(spec.templates)}")
+    llm = (llm or LLMSettings()) if proposer == "llm" else None
+    # The LLM writes free candidates; it reads every trial of the scope, templates' too.
+    kind, read = ("free", None) if llm else (template, template)
     pool = pool or local_pool()
     slots = pool.slots(target.gpu_class)
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
     proposer_seed = flow_seed(seed)
-    parent = tracker.start_parent(
-        "optimization", scope, f"optimize {op} {target.model}",
-        params={"target": target.model_dump(mode="json"), "proposer": proposer, "template": template,
-                "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots]},
-        tags={"infersmith.proposer": proposer, "infersmith.template": template})
-    print(f"optimizing {op} for {target.key()} with {proposer} over template {template!r} "
-          f"on {', '.join(s.label for s in slots)}; tracking run {parent}")
+    params = {"target": target.model_dump(mode="json"), "proposer": proposer, "template": kind,
+              "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots]}
+    if llm:  # the key's variable is named, the key never
+        params["llm"] = llm.model_dump(mode="json", exclude={"prices"}) | {"price": llm.price and llm.price.model_dump()}
+    parent = tracker.start_parent("optimization", scope, f"optimize {op} {target.model}", params=params,
+                                  tags={"infersmith.proposer": llm.origin if llm else proposer,
+                                        "infersmith.template": kind})
+    print(f"optimizing {op} for {target.key()} with {llm.origin if llm else proposer}"
+          + ("" if llm else f" over template {template!r}") + f" on {', '.join(s.label for s in slots)}; "
+          f"tracking run {parent}")
     progress = Progress(target)
-    orphans = tracker.orphaned_pending(scope, template)
+    coder = LLMProposer(op, target, llm) if llm else None
+    orphans = tracker.orphaned_pending(scope, kind)
     if orphans:
         print(f"re-queueing {len(orphans)} candidates a stopped flow left pending")
     in_flight: dict[PrefectFuture, Candidate] = {}
-    exhausted = None
+    replies: set[PrefectFuture] = set()  # the LLM's replies awaited
+    exhausted = down = None
+
+    def report(o: Outcome) -> None:
+        progress.record(o)
+        print(f"[{progress.done}/{target.budget.candidates}] {o.candidate.label}"
+              + (f" on {o.charge.gpu}" if o.charge.gpu else "") + f": {one_line(o)}")
+
     try:
         while True:
-            n = min(room(slots, len(in_flight)), target.budget.candidates - progress.done - len(in_flight))
-            if progress.may_launch(len(in_flight)) and n > 0:
-                batch = [(c, claim_orphan(tracker, parent, scope, old, c)) for old, c in orphans[:n]]
+            busy = len(in_flight) + len(replies)
+            n = min(room(slots, busy), target.budget.candidates - progress.done - busy)
+            if down is None and progress.may_launch(busy, len(replies)) and n > 0:
+                batch = [(c, claim_orphan(tracker, parent, scope, old, c), None) for old, c in orphans[:n]]
                 orphans = orphans[n:]
                 if len(batch) < n:  # open the pending runs first: the next proposal, here or in
                     # another flow, sees them in its history and proposes something else
-                    history = trials(tracker, scope, template)
-                    fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch))
-                    batch += [(c, tracker.open_candidate(parent, scope, c)) for c in fresh]
-                    exhausted = None if batch else f"the template's space has nothing new ({len(history)} points tried)"
-                for c, run_id in batch:
-                    in_flight[evaluate.submit(c, run_id, target, slots, tracker)] = c
-            if not in_flight:
+                    history = trials(tracker, scope, read)
+                    if coder:
+                        ceil = ceilings(tracker, scope.gpu_class, target.dtype)
+                        replies |= {propose_code.submit(coder, history, ceil) for _ in range(n - len(batch))}
+                    else:
+                        fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch))
+                        batch += [(c, tracker.open_candidate(parent, scope, c), None) for c in fresh]
+                        exhausted = None if batch else f"the template's space has nothing new ({len(history)} points tried)"
+                for c, run_id, charge in batch:
+                    in_flight[evaluate.submit(c, run_id, target, slots, tracker, charge)] = c
+            if not in_flight and not replies:
                 break
-            fut = next(as_completed(list(in_flight)))
+            fut = next(as_completed([*in_flight, *replies]))
+            if fut in replies:
+                replies.discard(fut)
+                p = fut.result()
+                if p.error:  # the SDK's retries are spent: stop proposing, finish what is in flight
+                    down = down or p.error
+                    print(f"proposing stopped: {p.error}")
+                    continue
+                run_id, charge = take_reply(p, tracker, parent, scope, llm)
+                progress.spend(charge)
+                if p.malformed:
+                    report(malformed(p, run_id, charge, tracker))
+                else:
+                    in_flight[evaluate.submit(p.candidate, run_id, target, slots, tracker, charge)] = p.candidate
+                continue
             in_flight.pop(fut)
-            outcome = fut.result()
-            progress.record(outcome)
-            print(f"[{progress.done}/{target.budget.candidates}] {outcome.candidate.label} on "
-                  f"{outcome.charge.gpu}: {one_line(outcome)}")
+            report(fut.result())
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise
-    reason = progress.stop_reason() or exhausted or "no candidate left to run"
+    reason = (f"the LLM endpoint is down: {down}" if down else None) or progress.stop_reason() or exhausted \
+        or "no candidate left to run"
     ranked = board(tracker, op, target.model, limit=10, target=target.key(),
                    gpu_class=None if scope.gpu_class == "mixed" else scope.gpu_class)
     rows = [e.__dict__ for e in ranked.entries]
     left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
+    spent = f"; {progress.tokens.proposer_tokens:,} tokens, ${progress.tokens.proposer_usd:.4f}" if llm else ""
     print(f"stopped: {reason}. {progress.passed}/{progress.done} passed"
-          + (f"; best score {progress.best:.3g}x" if progress.best else ""))
+          + (f"; best score {progress.best:.3g}x" if progress.best else "") + spent)
     create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
                                       "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
     tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
                           {"leaderboard.json": rows, "stop_reason.json": {"reason": reason}})
-    return {"parent_run_id": parent, "stop_reason": reason, **progress.metrics()}
+    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, **progress.metrics()}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -20,6 +21,10 @@ from tracking.trials import PENDING, Ceilings, Trial
 
 if TYPE_CHECKING:
     from targets import Target
+
+# A gate's detail names the seed of the inputs it failed on (harness/judging.py): the seeds are
+# the oracle's, so a description keeps the distribution and drops the number.
+SEED = re.compile(r",?\s*seed -?\d+")
 
 # The per-shape figures a kernel engineer reads, as the verdict names them (`<shape>/<metric>`).
 SHAPE_METRICS = ("latency_us", "pct_roofline", "speedup_vs_eager", "speedup_vs_compile")
@@ -90,7 +95,7 @@ def _shape_figures(t: Trial, labels: list[str]) -> dict[str, dict[str, float]]:
 def _tried(t: Trial, labels: list[str]) -> Tried:
     c = t.candidate
     return Tried(c.label, c.id, t.state, t.score, c.source if c.kind == "free" else None, c.template,
-                 dict(c.point), _shape_figures(t, labels), t.gate, t.detail)
+                 dict(c.point), _shape_figures(t, labels), t.gate, SEED.sub("", t.detail))
 
 
 def best_passed(history: Sequence[Trial], n: int) -> list[Trial]:
@@ -153,6 +158,11 @@ def _figures(t: Tried) -> list[str]:
 
 def render(d: OpDescription) -> str:
     """The description as Markdown: the body of a prompt."""
+    return render_op(d) + render_history(d)
+
+
+def render_op(d: OpDescription) -> str:
+    """What stays the same through an optimization: the op, its shapes, ceilings and template."""
     persistent = ", ".join(d.persistent) or "none"
     out = [f"# Op `{d.signature}`", d.summary, "",
            f"Target: model preset `{d.model}`, dtype {d.dtype}. Outputs must match the float64 reference within "
@@ -177,8 +187,13 @@ def render(d: OpDescription) -> str:
         out.append("Not measured on this GPU class yet.")
     out += ["", f"## Starting point: template `{d.template}`",
             f"`build(**point)` returns the op's function. Space: {json.dumps(d.template_space)}; "
-            f"default {json.dumps(d.template_default)}.", _fence(d.template_source)]
-    out += ["", f"## Best passed candidates so far ({d.tried} tried)"]
+            f"default {json.dumps(d.template_default)}.", _fence(d.template_source), ""]
+    return "\n".join(out) + "\n"
+
+
+def render_history(d: OpDescription) -> str:
+    """What has been tried: the best passed candidates and the last failures."""
+    out = [f"## Best passed candidates so far ({d.tried} tried)"]
     if not d.best:
         out.append("None yet.")
     for i, t in enumerate(d.best, 1):

@@ -54,6 +54,10 @@ class Budget(BaseModel):
     plateau: PositiveInt = Field(
         24, description="stop after this many candidates in a row without a 1% better score")
     stage_timeout_s: PositiveFloat = Field(600.0, description="time limit of one stage of one candidate")
+    max_tokens_total: PositiveInt | None = Field(
+        None, description="stop before the proposer's tokens (input, cached input, output) would pass this")
+    max_usd: PositiveFloat | None = Field(
+        None, description="stop before the dollars spent (proposer tokens and GPU time) would pass this")
 
 
 class TrafficPattern(BaseModel):

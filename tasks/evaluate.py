@@ -65,10 +65,12 @@ def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker) -> Outcome:
+def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker,
+             charge: Charge | None = None) -> Outcome:
     """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`;
-    recorded whatever happens. A host fault retries it on another host (see gpu_pool.dispatch)."""
-    charge = Charge()
+    recorded whatever happens. A host fault retries it on another host (see gpu_pool.dispatch).
+    `charge`: what proposing it already cost (an LLM's tokens), added to."""
+    charge = charge or Charge()
 
     def attempt(slot: Slot) -> Verdict:
         charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)

@@ -6,7 +6,8 @@ from prefect.cache_policies import NO_CACHE
 
 from contract.job import Candidate
 from engine_templates.ops import get_op
-from tracking.trials import Trial
+from proposers.llm import LLMProposer, Proposal
+from tracking.trials import Ceilings, Trial
 
 
 @task(name="propose", cache_policy=NO_CACHE)
@@ -15,3 +16,9 @@ def propose(proposer: str, op: str, template: str, seed: int, history: list[Tria
     from proposers import make_proposer
 
     return make_proposer(proposer, op, get_op(op).templates[template], seed).propose(history, n)
+
+
+@task(name="propose-code", cache_policy=NO_CACHE)
+def propose_code(proposer: LLMProposer, history: list[Trial], ceilings: Ceilings | None) -> Proposal:
+    """One module from the LLM, given every trial tracking holds; its retries are the SDK's."""
+    return proposer.propose(history, ceilings)

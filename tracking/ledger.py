@@ -13,7 +13,12 @@ class Charge:
     attempts: int = 0  # hosts tried: more than one after a host fault
     gpu_seconds: float = 0.0  # on every host tried: a faulted host's time was held too
     usd: float = 0.0
-    proposer_tokens: int = 0
+    # What proposing it cost: the LLM's tokens (input not read from the provider's cache, cached
+    # input, output) and their dollars. Zero for a template search.
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+    proposer_usd: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     held: list[tuple[str, float, float]] = field(default_factory=list)  # (slot, from, to) epoch s, per attempt
 
@@ -28,7 +33,16 @@ class Charge:
         self.usd += held_s * usd_per_second
 
     def metrics(self) -> dict[str, float]:
-        m = {"gpu_seconds": self.gpu_seconds, "cost_usd": self.usd, "proposer_tokens": float(self.proposer_tokens),
-             "host_attempts": float(self.attempts)}
+        m = {"gpu_seconds": self.gpu_seconds, "cost_usd": self.usd, "host_attempts": float(self.attempts)}
+        m |= self.token_metrics()
         m.update({f"stage_seconds/{k}": v for k, v in self.stage_seconds.items()})
         return m
+
+    @property
+    def proposer_tokens(self) -> int:
+        return self.input_tokens + self.cached_input_tokens + self.output_tokens
+
+    def token_metrics(self) -> dict[str, float]:
+        return {"proposer_tokens": float(self.proposer_tokens), "proposer_input_tokens": float(self.input_tokens),
+                "proposer_cached_input_tokens": float(self.cached_input_tokens),
+                "proposer_output_tokens": float(self.output_tokens), "proposer_usd": self.proposer_usd}

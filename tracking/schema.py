@@ -4,8 +4,10 @@ Parent run (tag infersmith.kind = optimization | evaluation): the target and pro
 params; totals (candidates, passed, best score, GPU-seconds, dollars, tokens) as metrics.
 Child run (infersmith.kind = candidate): the candidate's point or source hash as params;
 the verdict's metrics (per shape `<shape>/<metric>`, plus score, geomean speed-ups,
-relative error) and the ledger (GPU-seconds, cost) as metrics; status, op, target, model,
-proposer, GPU, failing gate, screening flags as tags; the candidate's source and its verdict as artifacts.
+relative error), the GPU's measured ceilings and the ledger (GPU-seconds, cost, proposer
+tokens and dollars) as metrics; status, op, target, model, proposer, GPU, failing gate and its
+detail, screening flags as tags; the candidate's source, its verdict and (from an LLM) the
+prompt and reply as artifacts.
 A child is created `pending` when proposed, so parallel proposers see it in flight; a
 pending child whose parent's controller is gone is an orphan, re-queued by the next flow.
 """
@@ -117,6 +119,14 @@ class Tracker:
         if cand.source is not None:  # now, not when judged: a pending run is read back as a trial
             self.client.log_text(run.info.run_id, cand.source, "candidate/candidate.py")
         return run.info.run_id
+
+    def log_proposal(self, run_id: str, charge: Charge, prompt: str, reply: str, about: dict) -> None:
+        """What proposing a candidate cost, on its run as soon as the reply is in, and the
+        transcript: the prompt as sent and the reply as received."""
+        _batch(self.client, run_id, metrics=charge.token_metrics())
+        self.client.log_text(run_id, prompt, "proposal/prompt.md")
+        self.client.log_text(run_id, reply, "proposal/reply.md")
+        self.client.log_dict(run_id, about, "proposal/about.json")
 
     def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
                          template_source: str | None = None) -> None:
