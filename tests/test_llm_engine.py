@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+# Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
+# not the capsys stream of whichever test would import it first (closed after that test).
+from prefect import flow  # noqa: F401
 
 from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from engine_templates.engine.tokenizer import Tokenizer
