@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 from cli.args import UsageError, add_target_options, op_named, open_store, pool_with, shapes_fit, target_of
 from cli.llm import add_llm_options, llm_settings

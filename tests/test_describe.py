@@ -5,12 +5,13 @@ failures with their gate; never the shapes the check stage adds or anything of t
 from __future__ import annotations
 
 from conftest import CANDIDATES
-from engine_templates.ops import get_op
-from engine_templates.ops.base import DTYPES
-from targets import Target
+
 from contract.job import Candidate
 from contract.verdict import ShapeTiming, Verdict
+from engine_templates.ops import get_op
+from engine_templates.ops.base import DTYPES
 from proposers.describe import describe, render
+from targets import Target
 from tracking.history import ceilings, trials
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker

@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
 
+from cli.main import main
 from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from engine_templates.engine.tokenizer import Tokenizer
-from flows.cli import main
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig

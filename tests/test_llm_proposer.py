@@ -11,13 +11,14 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import CANDIDATES
+
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
-from conftest import CANDIDATES
 from scripted_llm import ScriptedLLM, Turn
 
-from flows.cli import main
+from cli.main import main
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig

@@ -9,8 +9,17 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationError, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 Provider = Literal["anthropic", "openai"]
 DEFAULT_MODEL = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-5"}
