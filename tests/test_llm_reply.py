@@ -67,3 +67,17 @@ def test_tokens_cost_by_kind_and_the_key_is_redacted():
     assert usage.usd(Price(input=3.0, cached_input=0.3, output=15.0)) == pytest.approx(3.0 + 0.6 + 7.5)
     assert usage.usd(None) == 0.0
     assert redact("key sk-1 and sk-1 again", "sk-1") == "key [redacted] and [redacted] again"
+
+
+def test_no_reply_is_asked_for_that_would_pass_the_token_budget():
+    from flows.optimize_op import Progress
+    from targets import Target
+    from tracking.ledger import Charge
+
+    progress = Progress(Target(model="tiny", budget={"candidates": 10, "max_tokens_total": 10_000}))
+    assert progress.may_launch(0)  # nothing spent yet: the first reply is always asked for
+    progress.spend(Charge(input_tokens=3000, cached_input_tokens=500, output_tokens=500))
+    assert progress.may_launch(0)  # 4,000 spent, another at that size ends at 8,000
+    assert not progress.may_launch(1, proposing=1)  # with one awaited: 12,000
+    assert progress.stop_reason(1).startswith("token budget of 10,000: 4,000 spent")
+    assert progress.metrics()["proposer_tokens"] == 4000 and progress.metrics()["proposer_input_tokens"] == 3000
