@@ -202,7 +202,7 @@ def test_cached_ceilings_that_are_not_figures_are_measured_again(monkeypatch, tm
     figures is measured again and replaced, and the result says why."""
     import json
 
-    from harness import ceilings
+    from engine_templates import ceilings
 
     monkeypatch.setattr(ceilings, "CACHE_DIR", tmp_path)
     info = {"name": "test device", "torch": torch.__version__}

@@ -51,7 +51,8 @@ def test_a_forged_ceilings_cache_is_measured_again_on_the_gpu(monkeypatch, tmp_p
     replaced; one it agrees with is kept, and fp32 gets its own matmul rate."""
     import json
 
-    from harness import ceilings, device
+    from engine_templates import ceilings
+    from harness import device
 
     monkeypatch.setattr(ceilings, "CACHE_DIR", tmp_path)
     info = device.describe("cuda")
