@@ -106,6 +106,9 @@ def _serve_place(args, target):
     hosts = {s.host.name: s.host for s in slots if engine or not s.host.is_local}
     lacks = [f"host {name}: {line}" for name, host in hosts.items()
              for line in serve_problems(host, model_dir, target.serving.baseline)]
+    if reference and not lacks:  # the reference's directory must be there too
+        lacks = [f"host {name}: {line}" for name, host in hosts.items() if not host.is_local
+                 for line in serve_problems(host, reference)]
     if lacks:
         raise UsageError("; ".join(lacks))
     return pool, model_dir
