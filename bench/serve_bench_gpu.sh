@@ -6,9 +6,13 @@
 # Usage (repo root, wheels in .whl/ from infra/controller_wheels.sh):
 #   OUT=dir [MODELS="qwen3-8b"] [SERVING=bench/serving-h200-short.yaml]
 #   [KERNELS=engine_templates/engine/bench/templates.json] [CKPT_ROOT=/dev/shm]
-#   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] bash bench/serve_bench_gpu.sh
+#   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] [DTYPE=bf16|fp8]
+#   [SPEC_TOKENS=n] bash bench/serve_bench_gpu.sh
 # SERVING= (empty) uses the preset's own traffic; KERNELS= (empty) serves every op eager (the
 # default file takes each op's Triton template default); DEVICE is where the random weights are drawn.
+# DTYPE=fp8: the engine quantizes the bf16 checkpoint to FP8 at load and is judged against the bf16
+# reference (use SERVING=bench/serving-h200-fp8.yaml: the FP8 thresholds); SPEC_TOKENS: the engine
+# with speculative decoding of that many draft tokens. Results go to serve-<model>[-fp8][-specN].*
 # CKPT_ROOT defaults to /dev/shm: qwen3-8b is 16 GB, qwen3-30b-a3b 61 GB, more than a small disk
 # holds beside the OS. Leaves serve-<model>.txt (the table and gates), serve-<model>.log and the
 # tracking store (home.tgz: MLflow SQLite with AIPerf's exports as artifacts).
@@ -26,11 +30,13 @@ for model in ${MODELS:-qwen3-8b}; do
         python3 -m engine_templates.engine random-checkpoint --preset "$model" --out "$dir" --device "${DEVICE:-cuda}" \
             2>&1 | tee -a "$out/serve.log" || exit 1
     fi
-    echo "== serve-bench $model" | tee -a "$out/serve.log"
-    python3 -m cli serve-bench --model-dir "$dir" --model "$model" \
+    name=$model${DTYPE:+-$DTYPE}${SPEC_TOKENS:+-spec$SPEC_TOKENS}
+    echo "== serve-bench $name" | tee -a "$out/serve.log"
+    python3 -m cli serve-bench --model-dir "$dir" --model "$model" --dtype "${DTYPE:-bf16}" \
+        ${SPEC_TOKENS:+--spec-tokens "$SPEC_TOKENS"} \
         ${serving:+--serving "$serving"} --stage-timeout "${STAGE_TIMEOUT:-600}" \
-        ${kernels:+--kernels "$kernels"} > "$out/serve-$model.txt" 2> "$out/serve-$model.log"
+        ${kernels:+--kernels "$kernels"} > "$out/serve-$name.txt" 2> "$out/serve-$name.log"
     echo "exit $?" | tee -a "$out/serve.log"
-    cat "$out/serve-$model.txt"
+    cat "$out/serve-$name.txt"
     pack_home  # after every model, so that a call cut short still brings back what finished
 done

@@ -36,7 +36,10 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
     input sets), which the end-to-end commands do not take."""
     g = p.add_argument_group("target")
     g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    # fp8 (FP8 weights, judged against the bf16 model) is an end-to-end dtype: no op has an fp8 target
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"] + ([] if kernel else ["fp8"]), default="bf16",
+                   help=None if kernel else "fp8: the engine's linear layers and experts in FP8 (a bf16 checkpoint "
+                                            "quantized at load, or an FP8 one), judged against the bf16 model")
     g.add_argument("--gpu-class", default="any", help=f"run only on this GPU class ({gpu_classes()})")
     if kernel:
         g.add_argument("--decode-batches", type=ints, help="e.g. 1,8,32,128 (default from the preset)")

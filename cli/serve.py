@@ -35,6 +35,8 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
         serving["baseline"] = args.baseline
     if args.margin is not None:
         serving["margin"] = args.margin
+    if args.reference_model_dir:
+        serving["reference_model_dir"] = args.reference_model_dir
     checked = validated(Serving, serving, "serving settings")
     if args.patterns:
         known = [p.name for p in checked.traffic]
@@ -89,19 +91,44 @@ def _serve_place(args, target):
     problem = pool.group_problem(target.gpu_class, target.serving.replicas)
     if problem:
         raise UsageError(f"serving.replicas: {problem}")
+    reference = target.serving.reference_model_dir
     if any(s.host.is_local for s in slots):
         model_dir = str(_model_dir(args.model_dir))
-    elif not Path(args.model_dir).is_absolute():
-        raise UsageError(f"--model-dir must be an absolute path on the pool hosts, not {args.model_dir}")
+        if reference:
+            _model_dir(reference)
+        _check_fp8(Path(model_dir), reference and Path(reference), target.dtype)
+    elif not all(Path(d).is_absolute() for d in (args.model_dir, reference or "/")):
+        raise UsageError(f"--model-dir and --reference-model-dir must be absolute paths on the pool hosts, "
+                         f"not {args.model_dir}" + (f" and {reference}" if reference else ""))
     else:
         model_dir = args.model_dir
     engine = target.serving.baseline in ENGINES
     hosts = {s.host.name: s.host for s in slots if engine or not s.host.is_local}
     lacks = [f"host {name}: {line}" for name, host in hosts.items()
              for line in serve_problems(host, model_dir, target.serving.baseline)]
+    if reference and not lacks:  # the reference's directory must be there too
+        lacks = [f"host {name}: {line}" for name, host in hosts.items() if not host.is_local
+                 for line in serve_problems(host, reference)]
     if lacks:
         raise UsageError("; ".join(lacks))
     return pool, model_dir
+
+
+def _check_fp8(model_dir: Path, reference: Path | None, dtype: str) -> None:
+    """An FP8 checkpoint is served with --dtype fp8 and judged against its bf16 original; the
+    reference is never a quantized checkpoint."""
+    def quantized(d: Path) -> bool:
+        try:
+            return "quantization_config" in json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"cannot read {d / 'config.json'}: {e}") from None
+
+    if quantized(model_dir) and dtype != "fp8":
+        raise UsageError(f"{model_dir} is an FP8 checkpoint: serve it with --dtype fp8")
+    if reference is None and quantized(model_dir):
+        raise UsageError(f"{model_dir} is an FP8 checkpoint: name its bf16 original with --reference-model-dir")
+    if reference is not None and quantized(reference):
+        raise UsageError(f"--reference-model-dir {reference} is a quantized checkpoint; the reference must be bf16")
 
 
 def _kernels(path: str | None) -> dict:
@@ -136,12 +163,16 @@ def cmd_serve_bench(args) -> int:
     if args.candidate is not None:
         _check_command(args.candidate, "--candidate")
     kernels = _kernels(args.kernels)
+    if args.spec_tokens < 0 or args.spec_ngram < 1:
+        raise UsageError(f"--spec-tokens must be at least 0 and --spec-ngram at least 1, not {args.spec_tokens} "
+                         f"and {args.spec_ngram}")
+    engine = {"spec_tokens": args.spec_tokens, "spec_ngram": args.spec_ngram} if args.spec_tokens else {}
     pool, model_dir = _serve_place(args, target)
     from flows.optimize_engine import serve_bench
 
     open_store()
     try:
-        result = serve_bench(model_dir, target, kernels, args.candidate, pool)
+        result = serve_bench(model_dir, target, kernels, args.candidate, pool, engine)
     except _serve_errors() as e:
         print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
         return 1
@@ -189,6 +220,8 @@ def _add_serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patterns", type=lambda t: [x for x in t.split(",") if x],
                    help="only these traffic patterns, comma-separated")
     p.add_argument("--margin", type=float, help="every metric must beat the baseline by this fraction (default 0.02)")
+    p.add_argument("--reference-model-dir", help="the checkpoint the reference server loads, when not --model-dir: "
+                                                 "an FP8 checkpoint's bf16 original")
     p.add_argument("--pool", help="pool.yaml (default: this machine)")
     add_target_options(p, kernel=False)
 
@@ -200,6 +233,9 @@ def add_commands(sub) -> None:
     sb.add_argument("--kernels", help="kernels file for the engine (default: every op eager)")
     sb.add_argument("--candidate", help="judge the server this command starts instead of the engine "
                                         "({port}, {model_dir}, {name}, {replica} are filled in)")
+    sb.add_argument("--spec-tokens", type=int, default=0, help="the engine with speculative decoding (prompt "
+                                                              "lookup) of this many draft tokens a step (default 0: off)")
+    sb.add_argument("--spec-ngram", type=int, default=3, help="the longest n-gram looked up (default 3)")
     sb.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_serve_options(sb)
     sb.set_defaults(fn=cmd_serve_bench)

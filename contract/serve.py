@@ -46,7 +46,7 @@ class AccuracyRules:
 @dataclass(frozen=True)
 class ServeJob:
     model_dir: Path
-    dtype: str
+    dtype: str  # "bf16", "fp16", "fp32", or "fp8": FP8 weights, bf16 activations, a bf16 reference
     device: str  # "cuda" or "cpu"
     env: dict[str, str]  # for every server and the balancer
     devices: tuple[str, ...]  # CUDA_VISIBLE_DEVICES of each replica ("" on a CPU): one server per entry
@@ -58,10 +58,23 @@ class ServeJob:
     start_timeout_s: float
     pattern_timeout_s: float
     python: str  # the interpreter that runs the engine, the reference server and the balancer
+    reference_model_dir: Path | None = None  # the reference's checkpoint, when not model_dir (FP8's bf16 original)
 
     @property
     def replica_envs(self) -> list[dict[str, str]]:
         return [{**self.env, "CUDA_VISIBLE_DEVICES": d} for d in self.devices]
+
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype every server computes in: an FP8 job's weights are FP8, its activations bf16."""
+        return "bf16" if self.dtype == "fp8" else self.dtype
+
+    @property
+    def reference_dir(self) -> Path:
+        return self.reference_model_dir or self.model_dir
+
+
+SPEC_NGRAM = 3  # the engine's default n-gram size (EngineConfig.spec_ngram)
 
 
 @dataclass(frozen=True)
@@ -73,27 +86,38 @@ class EngineCandidate:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     cuda_graph_max_batch: int = 64  # decode batches up to this are CUDA graphs; 0: none
+    spec_tokens: int = 0  # speculative decoding by prompt lookup: draft tokens per step; 0: off
+    spec_ngram: int = 3  # the longest n-gram looked up (only with spec_tokens)
     origin: str = ""
+
+    def __post_init__(self):
+        if not self.spec_tokens:  # without speculation the n-gram size changes nothing: one configuration
+            object.__setattr__(self, "spec_ngram", SPEC_NGRAM)
 
     @property
     def id(self) -> str:
-        """Content hash; a free kernel counts by its source, not its path."""
+        """Content hash; a free kernel counts by its source, not its path. Speculation only when on,
+        so that configurations from before it existed keep their ids."""
         kernels = {op: {**c, "path": _sha(Path(c["path"]))} if c.get("impl") == "free" else c
                    for op, c in self.kernels.items()}
-        body = {k: v for k, v in asdict(self).items() if k != "origin"} | {"kernels": kernels}
+        unset = {"spec_tokens", "spec_ngram"} if not self.spec_tokens else set()
+        body = {k: v for k, v in asdict(self).items() if k != "origin" and k not in unset} | {"kernels": kernels}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def label(self) -> str:
         picked = ",".join(f"{op}={c.get('template') or c['impl']}" for op, c in sorted(self.kernels.items())
                           if c.get("impl") != "eager")
+        spec = f",spec={self.spec_tokens}/{self.spec_ngram}" if self.spec_tokens else ""
         return (f"engine[bs={self.block_size},seqs={self.max_num_seqs},chunk={self.max_num_batched_tokens},"
-                f"graphs={self.cuda_graph_max_batch}" + (f",{picked}" if picked else "") + "]")
+                f"graphs={self.cuda_graph_max_batch}{spec}" + (f",{picked}" if picked else "") + "]")
 
     def engine_args(self, kernels_file: Path) -> list[str]:
         graphs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= self.cuda_graph_max_batch]
         args = ["--kernels", str(kernels_file), "--block-size", str(self.block_size),
                 "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.spec_tokens:
+            args += ["--spec-tokens", str(self.spec_tokens), "--spec-ngram", str(self.spec_ngram)]
         return args + (["--cuda-graph-batch-sizes", ",".join(map(str, graphs))] if graphs else ["--enforce-eager"])
 
     def to_dict(self) -> dict:

@@ -84,7 +84,7 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
     done, passed, best, started = 0, 0, None, time.monotonic()
     try:
         s.start()
-        options = kernel_choices(s.tracker, target.model, target.dtype,
+        options = kernel_choices(s.tracker, target.model, target.activation_dtype,
                                  None if s.scope.gpu_class == "mixed" else s.scope.gpu_class, kernels_per_op,
                                  s.out / "kernels")
         search = EngineProposer(proposer, options, any(slot.gpu is not None for slot in s.slots), seed)
@@ -116,12 +116,14 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
 
 @flow(name="serve-bench", log_prints=True)
 def serve_bench(model_dir: str, target: Target = Target(), kernels: dict | None = None,
-                candidate_command: str | None = None, pool: Pool | None = None) -> dict:
-    """The serve stage once: the engine with `kernels` (or the server `candidate_command` starts)
-    against the baseline. Returns the verdict, the metrics and a side-by-side table."""
-    cand = EngineCandidate(kernels=kernels or {}, origin="serve-bench")
+                candidate_command: str | None = None, pool: Pool | None = None,
+                engine: dict | None = None) -> dict:
+    """The serve stage once: the engine with `kernels` and the settings `engine` names
+    (EngineCandidate fields, e.g. spec_tokens) — or the server `candidate_command` starts — against
+    the baseline. Returns the verdict, the metrics and a side-by-side table."""
+    cand = EngineCandidate(kernels=kernels or {}, origin="serve-bench", **(engine or {}))
     s = Session("serve-bench", f"serve-bench {Path(model_dir).name}", Path(model_dir), target, pool,
-                {"kernels": kernels or {}, "candidate_command": candidate_command or ""})
+                {"kernels": kernels or {}, "candidate_command": candidate_command or "", "engine": engine or {}})
     try:
         s.start()
         outcome = s.evaluate(cand, candidate_command)
@@ -135,11 +137,16 @@ def serve_bench(model_dir: str, target: Target = Target(), kernels: dict | None 
 
 
 def side_by_side(o: EngineOutcome, target: Target) -> list[dict]:
-    """One row per pattern and metric: candidate, baseline, candidate's advantage (>1: better)."""
+    """One row per pattern and metric: candidate, baseline, candidate's advantage (>1: better); and
+    with speculative decoding the pattern's acceptance rate (the candidate's alone)."""
     rows = []
     for p in target.serving.traffic:
         for name, (_, _, higher) in METRICS.items():
             c, b = o.metrics.get(f"{p.name}/{name}"), o.metrics.get(f"{p.name}/baseline_{name}")
             rows.append({"pattern": p.name, "metric": name, "better": "higher" if higher else "lower",
                          "candidate": c, "baseline": b, "vs_baseline": o.metrics.get(f"{p.name}/vs_baseline_{name}")})
+        if f"{p.name}/spec_drafted_tokens" in o.metrics:
+            rows.append({"pattern": p.name, "metric": "spec_acceptance_rate", "better": "higher",
+                         "candidate": o.metrics.get(f"{p.name}/spec_acceptance_rate"), "baseline": None,
+                         "vs_baseline": None})
     return rows

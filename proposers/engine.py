@@ -25,6 +25,10 @@ KNOBS = {
     "max_num_seqs": [16, 32, 64, 128],
     "max_num_batched_tokens": [512, 1024, 2048, 4096],
     "cuda_graph_max_batch": [0, 8, 32, 64],
+    # speculative decoding by prompt lookup: draft tokens per step (0: off) and the longest n-gram;
+    # with no drafts the n-gram size is moot (EngineCandidate keeps one value for it)
+    "spec_tokens": [0, 3, 7],  # 4 and 8 rows a sequence in a verify step
+    "spec_ngram": [2, 3, 4],
 }
 EAGER = "eager"
 
@@ -57,10 +61,11 @@ class EngineSpace:
     `engine.<knob>`. The op proposers search a Template's space, so the space is given to them
     as one; it is never built."""
 
-    def __init__(self, kernel_options: dict[str, list[dict]], on_gpu: bool):
+    def __init__(self, kernel_options: dict[str, list[dict]], on_gpu: bool, knobs: dict[str, list] = KNOBS):
+        self.knobs = knobs
         self.choices = {f"kernel.{op}": {choice_key(c): c for c in options}
                         for op, options in sorted(kernel_options.items()) if len(options) > 1}
-        knobs = KNOBS | ({} if on_gpu else {"cuda_graph_max_batch": [0]})  # no CUDA graphs without a GPU
+        knobs = knobs | ({} if on_gpu else {"cuda_graph_max_batch": [0]})  # no CUDA graphs without a GPU
         space: dict[str, list[Any]] = {k: list(v) for k, v in self.choices.items()}
         space |= {f"engine.{k}": list(v) for k, v in knobs.items()}
         # The default point, proposed first into an empty history: every op eager, the engine's
@@ -76,7 +81,7 @@ class EngineSpace:
         kernels file) leaves it outside the space, where it only counts as tried."""
         kernels = {f"kernel.{op}": choice_key(c) for op, c in cand.kernels.items() if choice_key(c) != EAGER}
         return ({k: EAGER for k in self.choices} | kernels
-                | {f"engine.{k}": getattr(cand, k) for k in KNOBS})
+                | {f"engine.{k}": getattr(cand, k) for k in self.knobs})
 
     def candidate(self, point: dict[str, Any], origin: str) -> EngineCandidate:
         kernels = {k.removeprefix("kernel."): self.choices[k][v] for k, v in point.items()
@@ -86,11 +91,14 @@ class EngineSpace:
 
 
 class EngineProposer:
-    def __init__(self, name: str, kernel_options: dict[str, list[dict]], on_gpu: bool, seed: int = 0):
+    def __init__(self, name: str, kernel_options: dict[str, list[dict]], on_gpu: bool, seed: int = 0,
+                 knobs: dict[str, list] = KNOBS):
+        """`knobs`: the engine settings searched and their values (EngineCandidate fields); the
+        rest keep the engine's defaults."""
         if name not in SEARCHES:
             raise KeyError(f"unknown proposer {name!r}; known: {', '.join(sorted(SEARCHES))}")
         self.name = name
-        self.space = EngineSpace(kernel_options, on_gpu)
+        self.space = EngineSpace(kernel_options, on_gpu, knobs)
         self.search = SEARCHES[name]("engine", self.space.template, seed)
 
     def propose(self, history: Sequence[EngineTrial], n: int) -> list[EngineCandidate]:
@@ -105,10 +113,11 @@ class EngineProposer:
             for c in got:
                 cand = self.space.candidate(c.point, self.name)
                 # A new point can still be a tried configuration spelt another way (an included
-                # kernels file naming a leaderboard kernel by its own path): then it joins the
-                # history as pending and the search is asked again.
+                # kernels file naming a leaderboard kernel by its own path, an n-gram size without
+                # drafts): then it joins the history as pending and the search is asked again.
                 if cand.id not in tried:
                     out.append(cand)
+                    tried.add(cand.id)
                 trials.append(Trial(c, PENDING))
         return out
 

@@ -24,7 +24,9 @@ from engine_templates.models import PRESETS, ModelDims
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
 GPUClass = Literal["any", GPUClassName]  # "any", or a class a pool file's host may have
-DType = Literal["bf16", "fp16", "fp32"]
+# fp8: FP8 (e4m3) weights for the linear layers and experts, bf16 activations, judged against the
+# bf16 model; an end-to-end dtype only (no op has an fp8 target)
+DType = Literal["bf16", "fp16", "fp32", "fp8"]
 
 # Relative error ||out - ref|| / ||ref|| allowed per output dtype: a few ulps of the
 # format after a reduction, well under what a wrong kernel produces (~1).
@@ -114,8 +116,11 @@ TINY_TRAFFIC = [
                    output_tokens_mean=16, request_count=8),
 ]
 # Per dtype, in nats: well above what a correct engine shows against transformers (README:
-# ~3e-6 in fp32, under 0.1 in bf16), far below a wrong token's.
-DEFAULT_LOGPROB_ATOL = {"bf16": 0.1, "fp16": 0.05, "fp32": 1e-3}
+# ~3e-6 in fp32, under 0.1 in bf16), far below a wrong token's. fp8 is FP8 weights against the
+# bf16 model: e4m3 keeps 3 mantissa bits, so a weight moves by up to 1/16 of itself and a
+# log-probability by a few tenths of a nat (docs/engine-fp8-speculative.md), still well below
+# what a wrong scale or a wrong token costs.
+DEFAULT_LOGPROB_ATOL = {"bf16": 0.1, "fp16": 0.05, "fp32": 1e-3, "fp8": 0.5}
 SHOWN_PROMPTS = ["Hello world! How are you today?", "The quick brown fox jumps over the lazy dog.",
                  "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols: + - * / =",
                  "A small engine serves a model, one token at a time."]
@@ -147,6 +152,9 @@ class Serving(BaseModel):
     start_timeout_s: PositiveFloat = Field(600.0, description="seconds a server may take to answer /v1/models")
     replicas: PositiveInt = Field(1, description="copies of the candidate server, and of the baseline, each on its "
                                   "own GPU of one host, behind one load balancer")
+    reference_model_dir: str | None = Field(None, description="the checkpoint the reference server loads, when not "
+                                            "the served one: an FP8 checkpoint's bf16 original (the oracle is "
+                                            "never quantized)")
 
     @field_validator("traffic")
     @classmethod
@@ -197,7 +205,14 @@ class Target(BaseModel):
     def tolerance(self) -> float:
         return self.rtol if self.rtol is not None else DEFAULT_RTOL[self.dtype]
 
+    @property
+    def activation_dtype(self) -> str:
+        """What the engine computes in: bf16 for an fp8 target (its weights are FP8)."""
+        return "bf16" if self.dtype == "fp8" else self.dtype
+
     def rules(self, on_gpu: bool) -> Rules:
+        if self.dtype == "fp8":
+            raise ValueError("dtype fp8 is an end-to-end target (FP8 weights in the engine); no op has an fp8 target")
         return Rules(dtype=self.dtype, rtol=self.tolerance, seeds=self.seeds, compile_baseline=on_gpu)
 
     def key(self) -> str:
@@ -210,8 +225,10 @@ class Target(BaseModel):
         """What makes two end-to-end runs comparable: model, dtype, traffic, baseline, margin."""
         import hashlib
 
-        # replicas only when set: the keys of runs from before the field existed stay the same
+        # replicas and the reference's directory only when set: the keys of runs from before those
+        # fields existed stay the same
         unset = {"replicas"} if self.serving.replicas == 1 else set()
+        unset |= {"reference_model_dir"} if self.serving.reference_model_dir is None else set()
         body = self.serving.model_dump_json(exclude={"start_timeout_s"} | unset)
         return f"{self.model}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
 

@@ -42,7 +42,14 @@ def job_for(target: Target, model_dir: Path, group: list[Slot]) -> ServeJob:
                     max_model_len=s.max_model_len, patterns=tuple(p.to_job() for p in s.traffic),
                     accuracy=target.accuracy_rules(), margin=s.margin, baseline=s.baseline,
                     start_timeout_s=s.start_timeout_s, pattern_timeout_s=target.budget.stage_timeout_s,
-                    python=sys.executable if local else slot.host.python)
+                    python=sys.executable if local else slot.host.python,
+                    reference_model_dir=_reference_dir(s.reference_model_dir, local))
+
+
+def _reference_dir(path: str | None, local: bool) -> Path | None:
+    if path is None:
+        return None
+    return Path(path).resolve() if local else Path(path)
 
 
 class Baseline:

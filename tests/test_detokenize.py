@@ -137,7 +137,7 @@ def check_random_sequences(eng: LLMEngine, seed: int, count: int) -> dict[str, i
         # A few sequences at once, as a batch: their states must not mix.
         seqs = [eng.add_request([5, 6, 7][:rng.randrange(1, 4)], params) for _ in range(3)]
         for n, (text, reason) in enumerate(expected):
-            assert eng.postprocess(seqs, [(completion[n], -1.0)] * len(seqs)) == seqs
+            assert eng.postprocess(seqs, [[(completion[n], -1.0)]] * len(seqs)) == seqs
             for seq in seqs:
                 assert (seq.text, seq.finish_reason) == (text, reason), (completion[:n + 1], params)
         assert all(s.is_finished for s in seqs)
@@ -205,6 +205,6 @@ def test_each_step_decodes_only_the_tokens_of_an_unfinished_character(tmp_path):
     for ids in (words, split):
         seq = eng.add_request([5], SamplingParams(max_tokens=len(ids), ignore_eos=True))
         for t in ids:
-            eng.postprocess([seq], [(t, 0.0)])
+            eng.postprocess([seq], [[(t, 0.0)]])
             assert seq.num_completion_tokens - seq.decoded.tokens <= 3
         assert seq.text == text and seq.decoded.tokens == len(ids) and len(ids) > 400

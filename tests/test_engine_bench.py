@@ -190,3 +190,43 @@ def test_the_shipped_templates_kernels_file_names_a_template_for_every_op():
     path = Path(__file__).resolve().parent.parent / "engine_templates" / "engine" / "bench" / "templates.json"
     choices = KernelSet(parse_kernels_file(path)).choices
     assert set(choices) == set(ENGINE_OPS) and all(c["impl"] == "template" for c in choices.values())
+
+
+def test_long_context_decode_counts_the_kv_cache_and_fp8_halves_the_matrices():
+    from engine_templates.engine.bench.roofline import bounds, kv_bytes
+
+    cfg = ModelConfig.from_preset(PRESETS["qwen3-8b"])
+    assert kv_bytes(cfg, 32768, 2) == 2 * 36 * 8 * 128 * 32768 * 2  # K and V, every layer, bf16
+    b = bounds(cfg, 2, 4.8e12, 1e15, [2048], 32, decode_context=160, concurrent_context=192,
+               long_contexts=(32768,), decode_tokens=128)
+    weights = weight_bytes(cfg, 1, 2)
+    assert b["decode_b1_ctx32768_tok_s"] == pytest.approx(4.8e12 / (weights + kv_bytes(cfg, 32768 + 64, 2)))
+    assert b["decode_b1_ctx32768_tok_s"] < 0.8 * b["decode_b1_tok_s"]  # the cache is a third of the weights there
+    assert b["decode_b1_tok_s"] == pytest.approx(4.8e12 / (weights + kv_bytes(cfg, 160, 2)))
+    # FP8: the layers' matrices at one byte, embeddings, LM head and norms as they were
+    fp8 = weight_bytes(cfg, 1, 2, matrix_itemsize=1)
+    norms = 36 * (2 * cfg.hidden + 2 * cfg.head_dim) + cfg.hidden
+    assert fp8 == pytest.approx(weights - (8_190_735_360 - 2 * cfg.vocab * cfg.hidden - norms), rel=1e-12)
+
+
+def test_bench_fp8_speculative_and_long_context_variants(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "--dtype", "fp32", "--device", "cpu",
+                 "--fp8", "--spec-tokens", "3", "--decode-contexts", "100",
+                 "--decode-tokens", "6", "--hf-decode-tokens", "3", "--ttft-lengths", "20", "--ttft-reps", "1",
+                 "--concurrency", "2", "--concurrent-prompt", "9", "--concurrent-tokens", "4",
+                 "--hf-concurrent-tokens", "3", "--check-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
+    r = json.loads((out / "engine_bench.json").read_text())["presets"]["tiny"]
+    systems = r["systems"]
+    assert list(systems) == ["engine", "hf", "engine+spec3", "engine+fp8", "engine+fp8+spec3"]
+    for name in ("engine", "engine+spec3", "engine+fp8", "engine+fp8+spec3"):
+        assert systems[name]["check"]["agree"], (name, systems[name]["check"])
+        assert systems[name]["metrics"]["decode_b1_ctx100_tok_s"]["value"] > 0
+    assert "decode_b1_ctx100_tok_s" not in systems["hf"]["metrics"]
+    assert systems["engine+fp8"]["fp8"]["block"] == "channel"
+    assert systems["engine+fp8"]["roofline"]["decode_b1_tok_s"] > 1.5 * r["roofline"]["decode_b1_tok_s"]
+    assert systems["engine+spec3"]["speculative"]["drafted_tokens"] >= 0 and "speculative" not in systems["engine"]
+    table = (out / "engine_bench.md").read_text()
+    assert "| decode, batch 1, after 100 tokens (tok/s) |" in table and "of its FP8 roofline)" in table
+    assert "| engine+fp8+spec3 | " in table.split("acceptance rate |")[1]

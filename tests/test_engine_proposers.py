@@ -2,6 +2,8 @@
 one conformance suite, their history read back from MLflow on SQLite, and TPE learning a knob."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import CANDIDATES
 
@@ -43,11 +45,11 @@ def judged(c: EngineCandidate, i: int) -> EngineTrial:
     return EngineTrial(c, c.id, state, score and score + (i % 7) / 10)
 
 
-def simulate(name, options, on_gpu, seed, steps, batch, history=()) -> list[EngineTrial]:
+def simulate(name, options, on_gpu, seed, steps, batch, history=(), knobs=KNOBS) -> list[EngineTrial]:
     """A flow: each round a fresh proposer, every configuration judged before the next round."""
     history = list(history)
     for _ in range(steps):
-        out = EngineProposer(name, options, on_gpu, seed).propose(history, batch)
+        out = EngineProposer(name, options, on_gpu, seed, knobs).propose(history, batch)
         if not out:
             break
         history += [judged(c, len(history)) for c in out]
@@ -94,11 +96,13 @@ def test_deterministic_and_stateless(name, options):
 
 
 def test_exhaustion(name):
-    """Nothing but eager kernels on a CPU: the knobs alone, 2 * 4 * 4 = 32 configurations."""
+    """Nothing but eager kernels on a CPU, and a few knobs: 2 * 4 * (1 + 1 * 2) = 24 configurations,
+    where a point without drafts is one configuration whatever its n-gram size."""
     eager_only = {"rmsnorm": [EAGER], "silu_mul": [EAGER]}
-    history = simulate(name, eager_only, False, seed=0, steps=20, batch=6)
-    assert len(history) == len({t.id for t in history}) == 32
-    assert EngineProposer(name, eager_only, False).propose(history, 6) == []
+    knobs = {"block_size": [16, 32], "max_num_seqs": [16, 32, 64, 128], "spec_tokens": [0, 3], "spec_ngram": [2, 3]}
+    history = simulate(name, eager_only, False, seed=0, steps=20, batch=6, knobs=knobs)
+    assert len(history) == len({t.id for t in history}) == 24
+    assert EngineProposer(name, eager_only, False, knobs=knobs).propose(history, 6) == []
 
 
 def test_history_from_tracking(name, options, tracking_home):
@@ -162,3 +166,19 @@ def test_tpe_learns_a_knob(state):
     control = sum(knob_hits("random", seed, state) for seed in range(4))
     assert tpe >= 20, (tpe, control)
     assert control < 20, (tpe, control)
+
+
+def test_speculation_changes_a_configuration_only_when_on():
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    plain = EngineCandidate(block_size=32)
+    # the id of a configuration from before speculation existed: its fields without the new ones
+    body = {k: v for k, v in asdict(plain).items() if k not in ("origin", "spec_tokens", "spec_ngram")}
+    assert plain.id == hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    assert EngineCandidate(block_size=32, spec_ngram=4) == plain  # no drafts: the n-gram size is moot
+    on = EngineCandidate(block_size=32, spec_tokens=3, spec_ngram=4)
+    assert on.id != plain.id != EngineCandidate(block_size=32, spec_tokens=3).id
+    assert on.engine_args(Path("k.json"))[8:12] == ["--spec-tokens", "3", "--spec-ngram", "4"]
+    assert "spec=3/4" in on.label and "spec" not in plain.label

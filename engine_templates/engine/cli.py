@@ -1,5 +1,5 @@
-"""`engine generate`, `engine serve`, `engine serve-reference`, `engine bench`, `engine profile`
-and `engine random-checkpoint`: shared by `infersmith engine ...` and, on a GPU host
+"""`engine generate`, `engine serve`, `engine serve-reference`, `engine bench`, `engine profile`,
+`engine random-checkpoint` and `engine quantize`: shared by `infersmith engine ...` and, on a GPU host
 without the controller's packages, `python -m engine_templates.engine ...`.
 
 Nothing heavy is imported until a command runs: `infersmith` builds this parser for every
@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from engine_templates.engine.bench_cli import add_bench_commands
+
 
 def _port(text: str) -> int:
     try:
@@ -26,7 +28,7 @@ def _port(text: str) -> int:
 
 
 def add_commands(sub) -> None:
-    """Adds `generate`, `serve`, `serve-reference`, `bench`, `profile` and `random-checkpoint` to an argparse
+    """Adds `generate`, `serve`, `serve-reference`, `bench`, `profile`, `random-checkpoint` and `quantize` to an argparse
     subparsers object (each sets `engine_fn`)."""
     g = sub.add_parser("generate", help="complete prompts with a model directory and print the text")
     _add_engine_options(g)
@@ -62,44 +64,7 @@ def add_commands(sub) -> None:
     r.add_argument("--port", type=_port, default=8000, help="0: any free port (printed)")
     r.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     r.set_defaults(engine_fn=cmd_serve_reference)
-    b = sub.add_parser("bench", help="time the engine and HF transformers generate on random weights "
-                                     "of model presets; markdown and JSON to --out")
-    b.add_argument("--out", required=True, type=Path, help="directory for engine_bench.md and .json")
-    b.add_argument("--presets", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
-    b.add_argument("--kernels", action="append", help="an engine variant: a kernels file, or `eager` "
-                   "(every op's PyTorch baseline); repeatable (default: eager)")
-    b.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline or agreement check")
-    b.add_argument("--enforce-eager", action="store_true", help="time the engine without CUDA graphs")
-    b.add_argument("--no-async-decode", dest="async_decode", action="store_false",
-                   help="time the engine reading each decode step's tokens before queuing the next")
-    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
-    b.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    b.add_argument("--decode-tokens", type=int, default=128, help="engine batch-1 decode tokens")
-    b.add_argument("--hf-decode-tokens", type=int, default=32, help="HF batch-1 decode tokens")
-    b.add_argument("--ttft-lengths", type=int, nargs="+", default=[512, 2048])
-    b.add_argument("--ttft-reps", type=int, default=3, help="timed prompts per length (median)")
-    b.add_argument("--concurrency", type=int, default=32)
-    b.add_argument("--concurrent-prompt", type=int, default=128, help="prompt tokens of each concurrent request")
-    b.add_argument("--concurrent-tokens", type=int, default=128, help="engine output tokens per request")
-    b.add_argument("--hf-concurrent-tokens", type=int, default=32, help="HF output tokens per request")
-    b.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared with HF")
-    b.add_argument("--phase-seconds", type=float, default=20.0,
-                   help="a decode phase stops after this long and reports what it made")
-    b.add_argument("--tolerance", type=float, help="nats, more than 0: how far the engine's log-probabilities "
-                   "may be from HF's (default 0.25 in bf16/fp16, 1e-3 in fp32)")
-    b.add_argument("--seed", type=int, default=0, help="the random weights' seed (as `random-checkpoint --seed`)")
-    b.set_defaults(engine_fn=cmd_bench)
-    f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
-                                       "graphs, the device's busy time, the roofline, and an eager step's kernels")
-    f.add_argument("--presets", default="qwen3-8b", help="comma-separated model presets (default qwen3-8b)")
-    f.add_argument("--kernels", type=Path, help="kernels file (default: every op's PyTorch baseline)")
-    f.add_argument("--batches", default="1", help="comma-separated decode batch sizes (default 1)")
-    f.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
-    f.add_argument("--steps", type=int, default=30, help="decode steps timed (default 30)")
-    f.add_argument("--top", type=int, default=15, help="kernels listed (default 15)")
-    f.add_argument("--no-async-decode", dest="async_decode", action="store_false",
-                   help="the graphed step without async decode: each step's tokens read before the next is queued")
-    f.set_defaults(engine_fn=cmd_profile)
+    add_bench_commands(sub)
     c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
                                                  "weights at a preset's shape and a tokenizer for them")
     c.add_argument("--preset", required=True, help="the model preset whose shape it has, e.g. qwen3-8b")
@@ -111,11 +76,22 @@ def add_commands(sub) -> None:
     c.add_argument("--force", action="store_true", help="write into a non-empty --out, replacing its "
                                                         "config, tokenizer and safetensors files")
     c.set_defaults(engine_fn=cmd_random_checkpoint)
+    q = sub.add_parser("quantize", help="write an FP8 (e4m3) copy of a bf16 checkpoint, in the layout of "
+                                        "Qwen's FP8 releases (block scales `weight_scale_inv`)")
+    q.add_argument("src", type=Path, help="the bf16 model directory")
+    q.add_argument("dst", type=Path, help="the FP8 model directory to write")
+    q.add_argument("--block", type=int, default=128, help="scale blocks of BLOCK x BLOCK weights (default 128, "
+                                                          "as Qwen's); 0: one scale per output channel")
+    q.add_argument("--device", help="where the weights are quantized: cuda or cpu (default: cuda when available)")
+    q.add_argument("--force", action="store_true", help="write into a non-empty DST, replacing its checkpoint")
+    q.set_defaults(engine_fn=cmd_quantize)
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", required=True, type=Path, help="HF-format directory: config.json, "
-                   "*.safetensors, tokenizer.json")
+                   "*.safetensors, tokenizer.json (an FP8 checkpoint is served in FP8)")
+    p.add_argument("--quantization", choices=["fp8"], help="fp8: quantize a bf16 checkpoint's linear layers and "
+                   "experts to FP8 (e4m3, one scale per output channel) at load")
     p.add_argument("--kernels", type=Path, help="JSON file choosing each op's implementation "
                                                 "(default: every op eager)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="default bf16")
@@ -138,6 +114,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32,64",
                    help="decode batch sizes captured as CUDA graphs, comma-separated")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--spec-tokens", type=int, default=0, help="speculative decoding by prompt lookup: draft "
+                   "tokens verified per decode step (default 0: off); greedy requests only")
+    p.add_argument("--spec-ngram", type=int, default=3, help="the longest n-gram of a sequence's last tokens "
+                   "looked up in its earlier ones to draft (default 3; shorter ones are tried next)")
     p.add_argument("--seed", type=int, default=0, help="the engine's random generator: sampled tokens of "
                                                          "requests without their own seed")
 
@@ -160,7 +140,9 @@ def engine_config(args):
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         mixed_steps=args.mixed_steps, async_decode=args.async_decode,
-                        num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed)
+                        num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
+                        quantization=args.quantization or "", spec_tokens=args.spec_tokens,
+                        spec_ngram=args.spec_ngram)
 
 
 def cmd_generate(args) -> int:
@@ -228,35 +210,6 @@ def cmd_serve_reference(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from engine_templates.engine.bench import EAGER, BenchOptions, Workload, run
-    from engine_templates.engine.config import EngineSetupError, pick_device
-    from engine_templates.engine.kernels import parse_kernels_file
-
-    variants = tuple(args.kernels or [EAGER])
-    specs = {k: parse_kernels_file(Path(k)) for k in variants if k != EAGER}
-    work = Workload(decode_tokens=args.decode_tokens, hf_decode_tokens=args.hf_decode_tokens,
-                    ttft_lengths=tuple(args.ttft_lengths), ttft_reps=args.ttft_reps,
-                    concurrency=args.concurrency, concurrent_prompt=args.concurrent_prompt,
-                    concurrent_tokens=args.concurrent_tokens, hf_concurrent_tokens=args.hf_concurrent_tokens,
-                    check_tokens=args.check_tokens, cap_s=args.phase_seconds)
-    opts = BenchOptions(presets=tuple(args.presets), out=args.out, work=work, kernels=variants,
-                        dtype=args.dtype, device=pick_device(args.device), skip_hf=args.skip_hf,
-                        enforce_eager=args.enforce_eager, async_decode=args.async_decode,
-                        tolerance=args.tolerance, seed=args.seed, kernel_specs=specs)
-    try:
-        opts.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file of that name, say
-        raise EngineSetupError(f"--out {opts.out}: cannot make the directory: {e.strerror}") from None
-    return run(opts)
-
-
-def cmd_profile(args) -> int:
-    from engine_templates.engine.bench.profile import run
-
-    return run(args)
-
-
 def cmd_random_checkpoint(args) -> int:
     from engine_templates.engine.random_checkpoint import human_size, write_random_checkpoint
 
@@ -264,6 +217,16 @@ def cmd_random_checkpoint(args) -> int:
                                 layers=args.layers, force=args.force)
     print(f"{r['preset']}: {r['parameters']:,} parameters, {human_size(r['bytes'])} in {r['shards']} "
           f"shard(s), {r['seconds']:.1f} s -> {r['path']}")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from engine_templates.engine.quantize import quantize_checkpoint
+    from engine_templates.engine.random_checkpoint import human_size
+
+    r = quantize_checkpoint(args.src, args.dst, block=args.block, device=args.device, force=args.force)
+    print(f"{r['matrices']} matrices to FP8: {human_size(r['bytes_before'])} -> {human_size(r['bytes_after'])} "
+          f"in {r['seconds']:.1f} s -> {r['path']}")
     return 0
 
 

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
+from engine_templates.engine.fp8 import Fp8Scheme
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
 
+QUANTIZATIONS = ("", "fp8")
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
@@ -64,6 +66,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    fp8: Fp8Scheme | None = None  # FP8 linear layers and experts (a quantized checkpoint's, or asked for)
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -140,7 +143,25 @@ class ModelConfig:
             experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 0)),
             moe_intermediate=int(raw.get("moe_intermediate_size", 0)),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=moe_layers,
-            eos_token_ids=_eos_ids(raw, model_dir))
+            eos_token_ids=_eos_ids(raw, model_dir), fp8=_fp8_scheme(raw.get("quantization_config")))
+
+
+def _fp8_scheme(quant) -> Fp8Scheme | None:
+    """config.json's quantization_config, as Qwen's FP8 releases write it: {"quant_method": "fp8",
+    "activation_scheme": "dynamic", "weight_block_size": [128, 128]} (no block size: one scale per
+    output channel, as `engine quantize --block 0` writes)."""
+    if quant is None:
+        return None
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config: quant_method {method!r} is not supported (fp8 only)")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError("quantization_config: only dynamic activation scales are supported, not "
+                         f"{quant['activation_scheme']!r}")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config: fmt {quant['fmt']!r} is not supported (e4m3 only)")
+    block = quant.get("weight_block_size")
+    return Fp8Scheme(None if block is None else tuple(int(b) for b in block))
 
 
 def _eos_ids(raw: dict, model_dir: Path) -> tuple[int, ...]:
@@ -183,6 +204,13 @@ class EngineConfig:
     async_decode: bool = True
     max_model_len: int = 4096
     kernels: dict[str, KernelSpec] = field(default_factory=dict)
+    # "fp8": a bf16 checkpoint's linear layers and experts quantized to FP8 at load, one scale per
+    # output channel (a checkpoint already in FP8 is served in FP8 either way)
+    quantization: str = ""
+    # Speculative decoding by prompt lookup (speculative.py): draft tokens per step (0: off) and the
+    # longest n-gram looked up
+    spec_tokens: int = 0
+    spec_ngram: int = 3
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
@@ -194,8 +222,12 @@ class EngineConfig:
         for option, value, low in (("--block-size", self.block_size, 1), ("--max-num-seqs", self.max_num_seqs, 1),
                                    ("--max-model-len", self.max_model_len, 1),
                                    ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
-                                   ("--num-kv-blocks", self.num_kv_blocks, 0)):
+                                   ("--num-kv-blocks", self.num_kv_blocks, 0),
+                                   ("--spec-tokens", self.spec_tokens, 0), ("--spec-ngram", self.spec_ngram, 1)):
             at_least(option, value, low)
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineSetupError(f"--quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
+                                   f"not {self.quantization!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineSetupError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):

@@ -1,9 +1,10 @@
 """Decode steps replayed from CUDA graphs, one per (batch size, block-table width), on a GPU.
 
-A batch of n sequences whose longest block table has w blocks replays the smallest captured
-size >= n and the narrowest captured width >= w. Widths are powers of two from 8 blocks up to
-the model length: an op that reads every table entry (the eager decode attention gathers them
-all) then pays for the longest sequence of the batch rounded up, not for the model length.
+A batch of n rows (a row per sequence, and one per draft token of speculative decoding) whose
+longest block table has w blocks replays the smallest captured size >= n and the narrowest
+captured width >= w. Widths are powers of two from 8 blocks up to the model length: an op that
+reads every table entry (the eager decode attention gathers them all) then pays for the longest
+sequence of the batch rounded up, not for the model length.
 Padding rows read the scratch block (length 1) and write their K/V there, so they cost a
 little work and touch no sequence's cache. Each graph is captured after one eager warm-up
 (Triton compiles then), largest first, all sharing one memory pool.
@@ -26,10 +27,13 @@ class DecodeGraphs:
     def __init__(self, runner, cfg: ModelConfig, capture: bool = True):
         self.runner = runner
         model, config = runner.model, runner.config
-        sizes = [b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs]
-        if cfg.is_moe and model.k.choices["fused_moe"]["impl"] == "eager":
-            # The eager MoE syncs with the host once tokens * top_k exceed the experts.
-            sizes = [b for b in sizes if b * cfg.experts_per_token <= cfg.experts]
+        sizes = {b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs}
+        # A verify step of speculative decoding is a decode batch of 1 + spec_tokens rows a sequence.
+        sizes |= {b * (1 + config.spec_tokens) for b in sizes}
+        if cfg.is_moe and (model.k.choices["fused_moe"]["impl"] == "eager" or cfg.fp8 is not None):
+            # The eager MoE (and the FP8 one, beyond its gather path) syncs with the host once
+            # tokens * top_k exceed the experts.
+            sizes = {b for b in sizes if b * cfg.experts_per_token <= cfg.experts}
         self.sizes = sorted(sizes)
         max_w = runner.max_blocks_per_seq
         self.widths = sorted({min(MIN_WIDTH << i, max_w) for i in range(max_w.bit_length() + 1)})
@@ -70,10 +74,11 @@ class DecodeGraphs:
         return bool(self.sizes) and n <= self.sizes[-1]
 
     def run(self, seqs: list[Sequence], after=None) -> torch.Tensor:
-        """Logits of the decode step; `after`: see ModelRunner.prepare_decode."""
-        n = len(seqs)
-        bs = next(b for b in self.sizes if b >= n)
+        """Logits of the decode step, a row per sequence and per draft token; `after`: see
+        ModelRunner.prepare_decode."""
         ids, positions, attn = self.runner.prepare_decode(seqs, after)
+        n = ids.shape[0]
+        bs = next(b for b in self.sizes if b >= n)
         w = attn.block_table.shape[1]
         width = next(x for x in self.widths if x >= w)
         self.input_ids[:n] = ids

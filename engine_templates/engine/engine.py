@@ -18,7 +18,7 @@ synchronously, for greedy and seeded sampling; unseeded sampling draws from the 
 generator per row, so a discarded row shifts the later draws.
 
 It is used only for pure decode steps on the CUDA graph path (DecodeGraphs, run without capture
-on a CPU in the tests). Every other step is the plain synchronous one, scheduled after the
+on a CPU in the tests), and not with speculative decoding (speculative.py). Every other step is the plain synchronous one, scheduled after the
 previous step's tokens are in: a prefill or mixed step, an eager decode, and whenever the next
 step might differ from `schedule`'s (a prompt waiting with a free place in the batch, a prompt
 mid-way, a preemption: Scheduler.schedule_ahead). Sampling needs nothing from the host that is
@@ -26,16 +26,19 @@ not known ahead (the per-request settings, the chosen token's log-probability co
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from engine_templates.engine.block_manager import BlockManager
 from engine_templates.engine.config import EngineConfig, ModelConfig
+from engine_templates.engine.fp8 import Fp8Scheme
 from engine_templates.engine.kernels import KernelSet
 from engine_templates.engine.model_runner import LaunchedStep, ModelRunner
 from engine_templates.engine.scheduler import Scheduler
 from engine_templates.engine.sequence import SamplingParams, Sequence, Status
+from engine_templates.engine.speculative import SpecStats
 from engine_templates.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("infersmith.engine")
@@ -55,6 +58,8 @@ class LLMEngine:
         else:
             self.model_config = ModelConfig.from_dir(config.model_dir)
             self.tokenizer = Tokenizer(config.model_dir)
+        if config.quantization == "fp8" and self.model_config.fp8 is None:
+            self.model_config = dataclasses.replace(self.model_config, fp8=Fp8Scheme())  # per output channel
         self.kernels = KernelSet(config.kernels)
         self.runner = ModelRunner(config, self.model_config, self.kernels, weights)
         self.scheduler = Scheduler(config, BlockManager(self.runner.num_blocks, config.block_size))
@@ -66,15 +71,23 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None  # async decode: queued, tokens not read yet
         self.steps_ahead = 0  # decode steps queued before the previous step's tokens were read
         self.rows_discarded = 0  # rows of such steps whose sequence had ended meanwhile
+        self.spec_stats = SpecStats()  # speculative decoding: drafts and accepted tokens
         moe = next((layer for layer in self.runner.model.layers if layer.is_moe), None)
-        if moe is not None:
+        if moe is not None and isinstance(moe.w_gate_up, torch.Tensor):  # FP8 experts: fp8.fused_moe_fp8
             self.kernels.settle_moe_prefill(moe.w_gate_up, moe.w_down, self.model_config.experts_per_token,
                                             config.torch_dtype)
         log.info("engine kernels: %s", self.kernels.choices)
 
     @property
     def kernel_choices(self) -> dict:
-        return self.kernels.choices
+        """Each op's implementation; with FP8 weights also `fp8`: the block scheme and the matmul
+        path per kind of scale (fp8.Fp8Linear)."""
+        fp8 = self.model_config.fp8
+        if fp8 is None:
+            return self.kernels.choices
+        linear = self.runner.model.linear
+        return self.kernels.choices | {"fp8": {"block": list(fp8.block) if fp8.block else "channel",
+                                               "linear": linear.choices}}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A new sequence in the queue. ValueError (a message for the client) if it cannot fit."""
@@ -118,8 +131,8 @@ class LLMEngine:
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, queued before `step`'s tokens are read; None: the next
         step is scheduled once they are in."""
-        if not (self.config.async_decode and step.on_graph_path):
-            return None
+        if not (self.config.async_decode and step.on_graph_path) or self.scheduler.drafter is not None:
+            return None  # with speculation, a step's drafts depend on the tokens the one before accepted
         seqs = self.scheduler.schedule_ahead(step.seqs, lambda s: self._length_reached(s, s.num_tokens + 1))
         if not seqs:
             return None
@@ -127,22 +140,28 @@ class LLMEngine:
         self.steps_ahead += 1
         return self.runner.launch(seqs, False, after=step)
 
-    def postprocess(self, seqs: list[Sequence], results) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], results: list[list[tuple[int, float]]]) -> list[Sequence]:
+        """Appends each sequence's new tokens (several after a verify step: speculative.py), up to
+        the one that finishes it."""
         updated = []
-        for seq, result in zip(seqs, results):
+        for seq, tokens in zip(seqs, results):
+            draft, seq.draft = seq.draft, []
             if seq.is_finished:  # ended (or aborted) while this step was in flight: its row is void
                 self.rows_discarded += 1
                 continue
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            if result is None:
-                continue
-            token, logprob = result
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            reason = self._finish_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-            updated.append(seq)
+            accepted = len(tokens) - 1 if draft else 0
+            self.spec_stats.add(len(draft), accepted)
+            # the K/V of rejected drafts stay past the end, to be overwritten
+            seq.num_computed_tokens += seq.num_scheduled_tokens - (len(draft) - accepted)
+            for token, logprob in tokens:
+                seq.token_ids.append(token)
+                seq.logprobs.append(logprob)
+                reason = self._finish_reason(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    break
+            if tokens:
+                updated.append(seq)
         return updated
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

@@ -9,8 +9,10 @@ import torch
 from safetensors import safe_open
 
 from engine_templates.engine.config import ModelConfig, ModelDirError
+from engine_templates.engine.fp8 import FP8, Fp8Weight, quantize
 from engine_templates.engine.model import EXPERT_STACKS, Qwen3Model
 
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's scales, as Qwen's FP8 releases name them
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -22,9 +24,14 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: Qwen3Model, model_dir: Path) -> None:
+    """Fills the model from the directory's shards. An FP8 weight (e4m3, with its `_scale_inv`
+    beside it, in any shard) goes to an FP8 weight of the model as it is, or dequantized where the
+    model keeps that weight in its own dtype; a weight in another dtype is quantized at load where
+    the model keeps it in FP8 (`--quantization fp8`, or a module a checkpoint left unquantized)."""
     params = model.weights()
     filled: set[str] = set()
     inter = model.cfg.moe_intermediate
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # FP8 weight name -> {"q", "scale"} read so far
     for file in shard_files(model_dir):
         try:
             shard = safe_open(str(file), framework="pt", device="cpu")
@@ -32,15 +39,24 @@ def load_weights(model: Qwen3Model, model_dir: Path) -> None:
             raise ModelDirError(f"{file}: not a readable safetensors file ({e})") from None
         with shard:
             for name in shard.keys():
-                target, key = _target(model, params, name, inter)
+                weight = name.removesuffix(SCALE_SUFFIX)
+                target, key = _target(model, params, weight, inter)
                 if target is None:
                     continue  # e.g. a tied lm_head stored anyway, or rotary buffers
                 tensor = shard.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ModelDirError(f"{file}: {name} has shape {tuple(tensor.shape)}; the config "
-                                        f"implies {tuple(target.shape)}")
-                target.copy_(tensor)
-                filled.add(key)
+                if name == weight and tensor.dtype != FP8:
+                    _fill(file, name, target, tensor, None, model.cfg)
+                    filled.add(key)
+                    continue
+                parts = waiting.setdefault(weight, {})
+                parts["scale" if name != weight else "q"] = tensor
+                if len(parts) == 2:
+                    _fill(file, weight, target, parts["q"], waiting.pop(weight)["scale"], model.cfg)
+                    filled.add(key)
+    if waiting:
+        name, parts = next(iter(waiting.items()))
+        lacks = f"{name}{SCALE_SUFFIX}" if "q" in parts else f"the FP8 weight {name}"
+        raise ModelDirError(f"{model_dir}: {len(waiting)} FP8 weights lack their other half, e.g. {lacks}")
     # The checkpoint stores each expert apart; the model keeps them stacked.
     expected = {n for n in params if not n.endswith(EXPERT_STACKS)} | {
         f"{i}.{e}.{w}" for i in model.cfg.moe_layers for e in range(model.cfg.experts)
@@ -49,6 +65,27 @@ def load_weights(model: Qwen3Model, model_dir: Path) -> None:
     if missing:
         raise ModelDirError(f"{model_dir}: {len(missing)} weights missing from the checkpoint, "
                             f"e.g. {missing[0]}")
+
+
+def _fill(file: Path, name: str, target, tensor: torch.Tensor, scale: torch.Tensor | None,
+          cfg: ModelConfig) -> None:
+    """Copies one checkpoint weight (with its scale, when FP8) into the model's tensor or FP8 weight."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelDirError(f"{file}: {name} has shape {tuple(tensor.shape)}; the config "
+                            f"implies {tuple(target.shape)}")
+    if scale is None:
+        target.copy_(quantize(tensor.to(target.device), target.block) if isinstance(target, Fp8Weight) else tensor)
+        return
+    if cfg.fp8 is None:
+        raise ModelDirError(f"{file}: {name} is FP8, but config.json has no quantization_config for it")
+    block = cfg.fp8.block_for(tensor.shape[-1])
+    rows, cols = tensor.shape[-2:]
+    if tuple(scale.shape) != (-(-rows // block[0]), -(-cols // block[1])):
+        raise ModelDirError(f"{file}: {name}{SCALE_SUFFIX} has shape {tuple(scale.shape)}, not the "
+                            f"{(-(-rows // block[0]), -(-cols // block[1]))} of {rows} x {cols} in "
+                            f"{block[0]} x {block[1]} blocks")
+    weight = Fp8Weight(tensor.to(target.device), scale.to(target.device, torch.float32), block)
+    target.copy_(weight if isinstance(target, Fp8Weight) else weight.dequantize(target.dtype))
 
 
 def random_tensors(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
@@ -111,5 +148,6 @@ def _target(model: Qwen3Model, params: dict[str, torch.Tensor], name: str, inter
     key = f"{layer}.{expert}.{which}"
     if which == "down_proj":
         return lay.w_down[expert], key
-    rows = slice(0, inter) if which == "gate_proj" else slice(inter, 2 * inter)
-    return lay.w_gate_up[expert, rows], key
+    start = 0 if which == "gate_proj" else inter
+    stack = lay.w_gate_up[expert]
+    return (stack.rows(start, start + inter) if isinstance(stack, Fp8Weight) else stack[start:start + inter]), key

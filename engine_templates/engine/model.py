@@ -3,17 +3,20 @@
 Weights are plain tensors (no nn.Module): `Qwen3Model.weights()` names each one the way HF
 transformers (5.x) names its parameters — the MoE experts stacked per layer as
 `mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] and `mlp.experts.down_proj` — so the
-loader can fill them and an HF model can share them. The matmuls are torch's; the rest is the
-kernels'.
+loader can fill them and an HF model can share them. The matmuls are torch's (through
+fp8.Fp8Linear where the config quantizes the linear layers and experts to FP8: those weights are
+then fp8.Fp8Weight); the rest is the kernels'.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine_templates.engine.config import ModelConfig
+from engine_templates.engine.fp8 import Fp8Linear, Fp8Weight, fused_moe_fp8, quantize
 from engine_templates.engine.kernels import KernelSet
 
 
@@ -41,7 +44,7 @@ class Layer:
         self.qkv_split = (cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
         self.qkv = stacked([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                             p + "self_attn.v_proj.weight"], self.qkv_split, h)
-        self.o_proj = tensor(p + "self_attn.o_proj.weight", h, cfg.heads * hd)
+        self.o_proj = tensor(p + "self_attn.o_proj.weight", h, cfg.heads * hd, fp8=True)
         self.q_norm = tensor(p + "self_attn.q_norm.weight", hd)
         self.k_norm = tensor(p + "self_attn.k_norm.weight", hd)
         self.is_moe = index in cfg.moe_layers
@@ -49,12 +52,12 @@ class Layer:
             n = cfg.moe_intermediate
             self.router = tensor(p + "mlp.gate.weight", cfg.experts, h)
             # each expert's gate rows, then its up rows
-            self.w_gate_up = tensor(p + EXPERT_STACKS[0], cfg.experts, 2 * n, h)
-            self.w_down = tensor(p + EXPERT_STACKS[1], cfg.experts, h, n)
+            self.w_gate_up = tensor(p + EXPERT_STACKS[0], cfg.experts, 2 * n, h, fp8=True, part_rows=n)
+            self.w_down = tensor(p + EXPERT_STACKS[1], cfg.experts, h, n, fp8=True)
         else:
             self.gate_up = stacked([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                                    (cfg.intermediate, cfg.intermediate), h)
-            self.down_proj = tensor(p + "mlp.down_proj.weight", h, cfg.intermediate)
+            self.down_proj = tensor(p + "mlp.down_proj.weight", h, cfg.intermediate, fp8=True)
 
 
 class Qwen3Model:
@@ -63,30 +66,52 @@ class Qwen3Model:
         """Empty weights for a loader to fill, or `weights` (every name of `weights()`) used as
         they are, not copied: models built from one dict share their storage — except the
         matrices the model stacks (q/k/v, and a dense MLP's gate/up), which it copies into one
-        tensor each and then names as row views of it."""
+        tensor each and then names as row views of it, and, when cfg.fp8 asks for FP8, the
+        linear layers and experts given in another dtype, which it quantizes."""
         self.cfg = cfg
         self.k = kernels
         self.cos_sin = cos_sin
         self.scale = cfg.head_dim ** -0.5
-        self._weights: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor | Fp8Weight] = {}
+        scheme = cfg.fp8
+        self.linear = Fp8Linear(torch.device(device), dtype) if scheme else F.linear
 
-        def tensor(name: str, *shape: int) -> torch.Tensor:
+        def block(rows: int, cols: int) -> tuple[int, int]:
+            """The scale blocks of a matrix whose stacked parts have `rows` rows each: the scheme's,
+            or one scale row per weight row where the parts do not align with its block rows."""
+            br, bc = scheme.block_for(cols)
+            return (br if rows % br == 0 else 1), bc
+
+        def tensor(name: str, *shape: int, fp8: bool = False, part_rows: int = 0):
+            quantized = fp8 and scheme is not None
             if weights is None:
-                t = torch.empty(shape, dtype=dtype, device=device)
+                t = (Fp8Weight.empty(shape, block(part_rows or shape[-2], shape[-1]), device) if quantized
+                     else torch.empty(shape, dtype=dtype, device=device))
             else:
                 t = weights[name]
-                assert tuple(t.shape) == shape and t.dtype == dtype, \
-                    f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}"
+                if quantized and not isinstance(t, Fp8Weight):
+                    t = quantize(t, block(part_rows or shape[-2], shape[-1]))
+                assert tuple(t.shape) == shape and (quantized or t.dtype == dtype), \
+                    f"{name}: {tuple(t.shape)} {getattr(t, 'dtype', 'fp8')}, expected {shape} {dtype}"
             self._weights[name] = t
             return t
 
-        def stacked(names: list[str], rows: tuple[int, ...], cols: int) -> torch.Tensor:
-            whole = torch.empty((sum(rows), cols), dtype=dtype, device=device)
-            for name, part in zip(names, whole.split(rows)):
+        def stacked(names: list[str], rows: tuple[int, ...], cols: int):
+            if scheme is None:
+                whole = torch.empty((sum(rows), cols), dtype=dtype, device=device)
+                parts = whole.split(rows)
+            else:
+                blocks = block(math.gcd(*rows), cols)
+                whole = Fp8Weight.empty((sum(rows), cols), blocks, device)
+                ends = [sum(rows[:i + 1]) for i in range(len(rows))]
+                parts = [whole.rows(end - r, end) for r, end in zip(rows, ends)]
+            for name, part in zip(names, parts):
                 if weights is not None:
                     given = weights[name]
-                    assert given.shape == part.shape and given.dtype == dtype, \
-                        f"{name}: {tuple(given.shape)} {given.dtype}, expected {tuple(part.shape)} {dtype}"
+                    if scheme is not None and not isinstance(given, Fp8Weight):
+                        given = quantize(given, part.block)
+                    assert given.shape == part.shape and (scheme is not None or given.dtype == dtype), \
+                        f"{name}: {tuple(given.shape)}, expected {tuple(part.shape)} {dtype}"
                     part.copy_(given)
                 self._weights[name] = part
             return whole
@@ -97,7 +122,7 @@ class Qwen3Model:
         self.lm_head = self.embed if cfg.tie_embeddings else tensor("lm_head.weight", cfg.vocab, cfg.hidden)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every weight by its HF transformers name (a tied lm_head is the embedding, not listed)."""
         return dict(self._weights)
 
@@ -124,7 +149,7 @@ class Qwen3Model:
     def _attention(self, i: int, layer: Layer, x, positions, attn: AttentionInputs):
         cfg, k = self.cfg, self.k
         tokens, hd = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, layer.qkv)
+        qkv = self.linear(x, layer.qkv)
         # q and k normalized and rotated straight from qkv's rows; v stays a view of them
         q, key = k.qk_norm_rope(qkv, cfg.heads, cfg.kv_heads, layer.q_norm, layer.k_norm, cfg.rms_eps,
                                 self.cos_sin, positions)
@@ -137,13 +162,16 @@ class Qwen3Model:
                                       attn.block_table, self.scale)
         else:
             out = k.decode_attention(q, k_cache, v_cache, attn.seq_lens, attn.block_table, self.scale)
-        return F.linear(out.reshape(tokens, -1), layer.o_proj)
+        return self.linear(out.reshape(tokens, -1), layer.o_proj)
 
     def _mlp(self, layer: Layer, x):
-        gate, up = (t.contiguous() for t in F.linear(x, layer.gate_up).chunk(2, dim=-1))
-        return F.linear(self.k.silu_mul(gate, up), layer.down_proj)
+        gate, up = (t.contiguous() for t in self.linear(x, layer.gate_up).chunk(2, dim=-1))
+        return self.linear(self.k.silu_mul(gate, up), layer.down_proj)
 
     def _moe(self, layer: Layer, x):
         router_logits = F.linear(x, layer.router)
+        if isinstance(layer.w_gate_up, Fp8Weight):
+            return fused_moe_fp8(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
+                                 self.cfg.norm_topk_prob, self.k.fused_moe)
         return self.k.fused_moe(x, router_logits, layer.w_gate_up, layer.w_down,
                                 self.cfg.experts_per_token, self.cfg.norm_topk_prob)

@@ -16,6 +16,7 @@ from engine_templates.engine.loader import load_weights
 from engine_templates.engine.model import AttentionInputs, Qwen3Model
 from engine_templates.engine.sampler import Sampler, to_device
 from engine_templates.engine.sequence import Sequence
+from engine_templates.engine.speculative import accept
 from engine_templates.ops.rope import cos_sin_table
 
 
@@ -31,15 +32,17 @@ class LaunchedStep:
         self.row = {s.seq_id: i for i, s in enumerate(s for s, yes in zip(seqs, samples) if yes)}
         self._host, self._event = host, event  # tokens and log-probabilities, once the event has passed
 
-    def results(self) -> list[tuple[int, float] | None]:
-        """Per sequence: (next token, its log-probability), or None for a prompt chunk that
-        does not reach the end of its sequence. Waits for the step (only) when it must."""
+    def results(self) -> list[list[tuple[int, float]]]:
+        """Per sequence: its new tokens with their log-probabilities — one; none for a prompt chunk
+        that does not reach the end of its sequence; 1 + accepted drafts after a verify
+        (speculative.accept). Waits for the step (only) when it must."""
         if self._host is None:
-            return [None] * len(self.seqs)
+            return [[] for _ in self.seqs]
         if self._event is not None:
             self._event.synchronize()
         picked = iter(zip(self._host[0].long().tolist(), self._host[1].tolist()))
-        return [next(picked) if yes else None for yes in self.samples]
+        return [accept(s.draft, [next(picked) for _ in range(1 + len(s.draft))]) if yes else []
+                for s, yes in zip(self.seqs, self.samples)]
 
 
 class ModelRunner:
@@ -115,19 +118,23 @@ class ModelRunner:
                 self._to_device(last, torch.int64))
 
     def prepare_decode(self, seqs: list[Sequence], after: LaunchedStep | None = None):
-        """Each sequence's last token at its position. With `after` (a decode step still in
-        flight), the last token is the one that step samples: not appended yet, so one position
-        further than `token_ids` says, and taken from that step's tokens on the device."""
+        """Each sequence's last token at its position, then its draft's tokens at theirs (one row
+        each: speculative.py). With `after` (a decode step still in flight), the last token is the
+        one that step samples: not appended yet, so one position further than `token_ids` says,
+        and taken from that step's tokens on the device."""
         lengths = [s.num_tokens + (after is not None) for s in seqs]
         if after is None:
-            ids = self._to_device([s.token_ids[-1] for s in seqs], torch.int64)
+            ids = self._to_device([t for s in seqs for t in [s.token_ids[-1], *s.draft]], torch.int64)
         else:
+            assert not any(s.draft for s in seqs), "a draft needs the tokens of the step before"
             rows = self._to_device([after.row[s.seq_id] for s in seqs], torch.int64)
             ids = after.tokens.index_select(0, rows)
-        slots = [self._slots(s, n - 1, n)[0] for s, n in zip(seqs, lengths)]
+        ends = [n + j for s, n in zip(seqs, lengths) for j in range(1 + len(s.draft))]  # each row's cache length
+        owners = [s for s in seqs for _ in range(1 + len(s.draft))]
+        slots = [self._slots(s, n - 1, n)[0] for s, n in zip(owners, ends)]
         attn = AttentionInputs(False, self._to_device(slots, torch.int64),
-                               self._to_device(lengths, torch.int32), self._block_table(seqs))
-        return ids, self._to_device([n - 1 for n in lengths], torch.int64), attn
+                               self._to_device(ends, torch.int32), self._block_table(owners))
+        return ids, self._to_device([n - 1 for n in ends], torch.int64), attn
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, float] | None]:
         """The step, waited for: LaunchedStep.results()."""
@@ -138,7 +145,8 @@ class ModelRunner:
         """Queues the step (sampling included) and returns without waiting for the device.
         `after`: a decode step on the graph path still in flight, whose tokens are `seqs`' inputs
         (see prepare_decode); the step then runs on the graph path too."""
-        graphed = not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs))
+        rows = sum(1 + len(s.draft) for s in seqs)
+        graphed = not is_prefill and self.graphs is not None and self.graphs.fits(rows)
         assert after is None or (graphed and after.on_graph_path)
         if is_prefill:
             ids, positions, attn, last = self.prepare_prefill(seqs)
@@ -150,11 +158,13 @@ class ModelRunner:
             ids, positions, attn = self.prepare_decode(seqs)
             logits = self.model.compute_logits(self.model.forward(ids, positions, attn))
         samples = [s.samples_after_step for s in seqs]
-        rows = [i for i, yes in enumerate(samples) if yes]
-        if not rows:
+        picked = [i for i, yes in enumerate(samples) if yes]
+        if not picked:
             return LaunchedStep(seqs, samples, graphed, None, None, None)
-        tokens, logprobs = self.sampler(logits[rows] if len(rows) < len(seqs) else logits,
-                                        [seqs[i] for i in rows])
+        if len(picked) < len(seqs):  # prefill: a row per sequence, some of them mid-prompt
+            logits = logits[picked]
+        # a row per sampled sequence, and one more per draft token of a verify step
+        tokens, logprobs = self.sampler(logits, [seqs[i] for i in picked for _ in range(1 + len(seqs[i].draft))])
         # The step's one device-to-host transfer: tokens (exact in float64) and log-probabilities,
         # into pinned memory, so that it does not wait; the event says when it has landed.
         out = torch.stack((tokens.double(), logprobs.double()))

@@ -19,6 +19,10 @@ the same point forever): it finishes with "length", reported by the engine's nex
 
 `schedule_ahead` serves async decode (engine.py): the decode step after one still in flight,
 before its tokens are known, when it is the step `schedule` would give once they are in.
+
+With speculative decoding (EngineConfig.spec_tokens) a pure decode step gives each greedy
+sequence its prompt-lookup draft (speculative.py) where the cache has the blocks for it; a
+sequence without them, or in a step with prompt chunks, decodes one token.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from collections import deque
 from engine_templates.engine.block_manager import BlockManager
 from engine_templates.engine.config import EngineConfig
 from engine_templates.engine.sequence import Sequence, Status
+from engine_templates.engine.speculative import PromptLookup
 
 
 class Scheduler:
@@ -34,6 +39,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.mixed_steps = config.mixed_steps
+        self.max_model_len = config.max_model_len
+        self.drafter = PromptLookup(config.spec_tokens, config.spec_ngram) if config.spec_tokens else None
         self.mixed_steps_run = 0  # steps that had both decodes and prompt chunks
         self.preemptions = 0
         self.block_manager = block_manager
@@ -74,12 +81,12 @@ class Scheduler:
             if batch:
                 return batch, True
             decodes, _ = self._schedule_decode()
-            return decodes, False
+            return self._add_drafts(decodes), False
         decodes, preempted = self._schedule_decode()
         budget = self.max_num_batched_tokens - len(decodes)
         chunks = self._schedule_prefill(budget, admit=not preempted) if budget > 0 else []
         if not chunks:
-            return decodes, False
+            return self._add_drafts(decodes), False
         if decodes:
             self.mixed_steps_run += 1
         return decodes + chunks, True
@@ -114,6 +121,23 @@ class Scheduler:
             bm.allocate(seq, seq.num_tokens + 1)
             seq.num_scheduled_tokens = 1
         return batch
+
+    def _add_drafts(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Each decoding sequence's draft (speculative.py), as long as its length, max_tokens and
+        the free blocks allow; it then has 1 + len(draft) tokens scheduled."""
+        if self.drafter is None:
+            return decodes
+        bm = self.block_manager
+        for seq in decodes:
+            # A step yields at most 1 + len(draft) tokens: no more than max_tokens or the model allow.
+            room = min(seq.params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
+            draft = self.drafter.draft(seq, room)
+            while draft and not bm.can_allocate(seq, seq.num_tokens + len(draft)):
+                draft = draft[:-1]
+            bm.allocate(seq, seq.num_tokens + len(draft))
+            seq.draft = draft
+            seq.num_scheduled_tokens = 1 + len(draft)
+        return decodes
 
     def _schedule_prefill(self, budget: int, admit: bool) -> list[Sequence]:
         """Prompt chunks up to `budget` tokens: admitted prompts mid-way first, then (if

@@ -57,6 +57,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # positions whose K/V are in the cache
         self.num_scheduled_tokens = 0  # set by the scheduler for the coming step
+        self.draft: list[int] = []  # speculative tokens the coming step verifies (speculative.py)
+        self.ngram_index = None  # the drafter's index of this sequence's tokens, built as it grows
         self.block_table: list[int] = []
         self.status = Status.WAITING
         self.logprobs: list[float] = []  # of each completion token under the model
@@ -84,8 +86,9 @@ class Sequence:
 
     @property
     def samples_after_step(self) -> bool:
-        """Whether the scheduled tokens reach the end, so the step produces a new token."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+        """Whether the scheduled tokens reach the end, so the step produces a new token (a draft's
+        tokens are scheduled beyond it: speculative.py)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens - len(self.draft) == self.num_tokens
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP API over one engine: /v1/completions and /v1/chat/completions
-(streamed as server-sent events or whole, with usage counts), /v1/models, /health.
+(streamed as server-sent events or whole, with usage counts), /v1/models, /health, and /stats
+(the engine's counters since it started: batching, preemptions, speculative decoding).
 
 aiohttp rather than FastAPI: it is on the GPU hosts already, and the API is four routes
 whose request checking fits in this file. Errors are OpenAI's shape:
@@ -66,6 +67,20 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "model": state.model_name,
                               "kernels": state.engine.kernel_choices,
                               "largest_batch": state.engine.largest_batch})
+
+
+async def stats(request: web.Request) -> web.Response:
+    """Counters since the engine started; a client diffs two readings for the traffic between them
+    (the serve stage does, per traffic pattern). Read while the engine thread steps: each number
+    is current, the set not one instant's."""
+    engine = request.app[STATE].engine
+    return web.json_response({"largest_batch": engine.largest_batch, "steps_ahead": engine.steps_ahead,
+                              "rows_discarded": engine.rows_discarded,
+                              "preemptions": engine.scheduler.preemptions,
+                              "mixed_steps": engine.scheduler.mixed_steps_run,
+                              "speculative": {"spec_tokens": engine.config.spec_tokens,
+                                              "spec_ngram": engine.config.spec_ngram,
+                                              **engine.spec_stats.as_dict()}})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -247,6 +262,7 @@ def create_app(engine: LLMEngine, model_name: str, request_log: bool = False) ->
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -2,7 +2,7 @@
 engine's OpenAI-compatible server on the job's checkpoint, started by the job's python
 (`python -m <its server module>`), so the interpreter asked whether it has the engine is the one
 that runs it. Each is started on loopback with the target's dtype and context length, and the
-model id AIPerf sends.
+model id AIPerf sends; an FP8 target's with FP8 weights (`--quantization fp8`).
 
 Whether the engine is there is asked where the baseline will run, before anything starts:
 `python -m harness.serve check DIR --baseline NAME` (this machine's python, or a pool host's)."""
@@ -18,16 +18,22 @@ from contract.serve import BASELINE_ENGINES, ServeJob
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the names both engines take
 
 
+def _fp8(job: ServeJob) -> list[str]:
+    """An FP8 job: both engines quantize a bf16 checkpoint's weights to FP8 at load (and serve an
+    FP8 checkpoint as it is)."""
+    return ["--quantization", "fp8"] if job.dtype == "fp8" else []
+
+
 def _vllm(job: ServeJob, port: int, name: str) -> list[str]:
     return [job.python, "-m", "vllm.entrypoints.cli.main", "serve", str(job.model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", name, "--dtype", DTYPES[job.dtype],
-            "--max-model-len", str(job.max_model_len)]
+            "--port", str(port), "--served-model-name", name, "--dtype", DTYPES[job.activation_dtype],
+            "--max-model-len", str(job.max_model_len), *_fp8(job)]
 
 
 def _sglang(job: ServeJob, port: int, name: str) -> list[str]:
     return [job.python, "-m", "sglang.launch_server", "--model-path", str(job.model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", name, "--dtype", DTYPES[job.dtype],
-            "--context-length", str(job.max_model_len)]
+            "--port", str(port), "--served-model-name", name, "--dtype", DTYPES[job.activation_dtype],
+            "--context-length", str(job.max_model_len), *_fp8(job)]
 
 
 @dataclass(frozen=True)

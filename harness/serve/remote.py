@@ -43,11 +43,14 @@ DECISION_WAIT_S = 120.0  # the controller answers within a poll; longer means it
 
 # -- what crosses the wire ------------------------------------------------------
 def job_to_dict(job: ServeJob) -> dict:
-    return asdict(job) | {"model_dir": str(job.model_dir)}
+    reference = None if job.reference_model_dir is None else str(job.reference_model_dir)
+    return asdict(job) | {"model_dir": str(job.model_dir), "reference_model_dir": reference}
 
 
 def job_from_dict(d: dict) -> ServeJob:
+    reference = d.get("reference_model_dir")
     return ServeJob(**d | {"model_dir": Path(d["model_dir"]), "devices": tuple(d["devices"]),
+                           "reference_model_dir": None if reference is None else Path(reference),
                            "patterns": tuple(Pattern(**p) for p in d["patterns"]),
                            "accuracy": AccuracyRules(**d["accuracy"] | {"prompts": tuple(d["accuracy"]["prompts"])})})
 

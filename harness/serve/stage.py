@@ -10,6 +10,7 @@ import json
 import random
 import shlex
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -46,8 +47,8 @@ def judge_replicas(replicas: list[list[Completion]], expected: list[Completion],
 
 
 def reference_argv(job: ServeJob, port: int) -> list[str]:
-    return [job.python, "-m", "engine_templates.engine", "serve-reference", "--model-dir", str(job.model_dir),
-            "--dtype", job.dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
+    return [job.python, "-m", "engine_templates.engine", "serve-reference", "--model-dir", str(job.reference_dir),
+            "--dtype", job.activation_dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
             "--port", str(port), "--served-model-name", SERVED_NAME]
 
 
@@ -55,9 +56,18 @@ def engine_argv(job: ServeJob, cand: EngineCandidate, out: Path, port: int) -> l
     out.mkdir(parents=True, exist_ok=True)
     kernels = out / "kernels.json"
     kernels.write_text(json.dumps(cand.kernels, indent=1))
+    fp8 = ["--quantization", "fp8"] if job.dtype == "fp8" else []  # a bf16 checkpoint quantized at load
     return [job.python, "-m", "engine_templates.engine", "serve", "--model-dir", str(job.model_dir),
-            "--dtype", job.dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
-            "--port", str(port), "--served-model-name", SERVED_NAME, *cand.engine_args(kernels)]
+            "--dtype", job.activation_dtype, "--device", job.device, "--max-model-len", str(job.max_model_len),
+            "--port", str(port), "--served-model-name", SERVED_NAME, *fp8, *cand.engine_args(kernels)]
+
+
+def quantized(model_dir: Path) -> bool:
+    """Whether the checkpoint's config.json declares quantized weights (quantization_config)."""
+    try:
+        return "quantization_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ServerError(f"cannot read {model_dir}/config.json: {e}") from None
 
 
 def command_argv(command: str, job: ServeJob, port: int, replica: int = 0) -> list[str]:
@@ -76,6 +86,10 @@ def baseline_argv(job: ServeJob, port: int, replica: int = 0) -> list[str]:
 def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
     """Greedy tokens and log-probabilities (with alternatives) of the reference server; and, when
     the reference is also the baseline, its metrics under every pattern from the same session."""
+    # The oracle is the full-precision model: never a quantized checkpoint, whatever the candidate is.
+    if quantized(job.reference_dir):
+        raise ServerError(f"the reference checkpoint {job.reference_dir} is quantized (its config.json has a "
+                          "quantization_config); name its bf16 original as the reference model directory")
     prompts = prompt_set(job.model_dir, job.accuracy, rng)
     envs = job.replica_envs if job.baseline == "reference" else job.replica_envs[:1]  # as many as it is loaded with
     with Replicas("reference", lambda _, port: reference_argv(job, port), envs, out, job.python) as ref:
@@ -122,11 +136,15 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
         if verdict.status == PASS:
             _accuracy(server, job, reference, result)
         for p in job.patterns if verdict.status == PASS else ():
+            before = engine_stats(server)
             try:
                 run = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
                                  job.pattern_timeout_s)
             except aiperf.AIPerfError as e:
                 run, failure = None, str(e)
+            after = engine_stats(server) if run is not None and before is not None else None
+            if after is not None:
+                result.metrics |= speculation(p.name, before, after)
             death = server.death(f"during pattern {p.name}")
             if death:
                 verdict.crash("server_died", death)
@@ -141,6 +159,34 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
         verdict.log_tail = server.log_tail()
     verdict.wall_s = time.monotonic() - t0
     return result
+
+
+def engine_stats(server: Replicas) -> list[dict] | None:
+    """Every replica's /stats (engine_templates/engine/server.py), or None where one has none (a
+    command's server, another engine: no speculation to report) or does not answer (a server that
+    died: the stage's death check, right after, says so)."""
+    readings = []
+    for replica in server.servers:
+        try:
+            with urllib.request.urlopen(replica.url + "/stats", timeout=30) as r:
+                readings.append(json.loads(r.read()))
+        except (OSError, ValueError):  # HTTPError (404) and a refused connection are OSErrors
+            return None
+    return readings
+
+
+def speculation(pattern: str, before: list[dict], after: list[dict]) -> dict[str, float]:
+    """The pattern's speculative decoding, all replicas together, from /stats read before and after
+    it (its warm-up requests included): draft tokens, accepted ones, and their ratio."""
+    def total(readings: list[dict], key: str) -> int:
+        return sum(r.get("speculative", {}).get(key, 0) for r in readings)
+
+    if not any(r.get("speculative", {}).get("spec_tokens") for r in after):
+        return {}
+    drafted = total(after, "drafted_tokens") - total(before, "drafted_tokens")
+    accepted = total(after, "accepted_tokens") - total(before, "accepted_tokens")
+    out = {f"{pattern}/spec_drafted_tokens": drafted, f"{pattern}/spec_accepted_tokens": accepted}
+    return out | ({f"{pattern}/spec_acceptance_rate": accepted / drafted} if drafted else {})
 
 
 def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path, command: str | None = None) -> Served:

@@ -4,7 +4,10 @@ shape, in one process, each figure also as a fraction of its weight-bytes roofli
 Per preset: random weights drawn on the device; transformers' model built around the same
 tensors (no second copy, so a 61 GB model fits once); the copy bandwidth and matmul rate
 measured in this run (engine_templates/ceilings.py). Then per engine variant (a kernels file, or
-`eager`: every op's PyTorch baseline) the agreement check — CUDA graphs against
+`eager`: every op's PyTorch baseline; with --fp8 each also with FP8 weights quantized at load, a
+second copy of the matrices at half their size; with --spec-tokens each also with speculative
+decoding, whose acceptance on random weights says little: docs/engine-fp8-speculative.md) the
+agreement check — CUDA graphs against
 --enforce-eager, and both against HF — and the timed phases (measure.py); HF's phases after
 the first variant. Each variant is freed before the next. A variant that fails is recorded with its error and the rest
 go on. Writes engine_bench.json and engine_bench.md to the output directory.
@@ -31,6 +34,21 @@ from engine_templates.models import PRESETS
 
 EAGER = "eager"  # the variant with no kernels file
 TOLERANCE = {"fp32": 1e-3, "fp16": 0.25, "bf16": 0.25}  # nats (see measure.vs_hf)
+FP8_TOLERANCE = 0.5  # nats: FP8 weights against HF on the bf16 ones (the fp8 target's threshold)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One engine to time: a kernels file (or `eager`), FP8 weights or not, speculation or not."""
+
+    kernels: str = EAGER
+    fp8: bool = False
+    spec_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        return ("engine" + ("" if self.kernels == EAGER else f"+{Path(self.kernels).name}")
+                + ("+fp8" if self.fp8 else "") + (f"+spec{self.spec_tokens}" if self.spec_tokens else ""))
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,14 @@ class BenchOptions:
     block_size: int = 16
     seed: int = 0
     kernel_specs: dict[str, dict[str, KernelSpec]] = field(default_factory=dict)  # file -> parsed
+    fp8: bool = False  # each kernels variant also with FP8 weights (quantized at load)
+    spec_tokens: int = 0  # each variant also with speculative decoding, this many draft tokens
+    spec_ngram: int = 3
+
+    @property
+    def variants(self) -> list[Variant]:
+        return [Variant(k, fp8, spec) for k in self.kernels for fp8 in ((False, True) if self.fp8 else (False,))
+                for spec in ((0, self.spec_tokens) if self.spec_tokens else (0,))]
 
     def __post_init__(self):
         unknown = [p for p in self.presets if p not in PRESETS]
@@ -59,6 +85,9 @@ class BenchOptions:
             raise EngineSetupError(f"--tolerance must be more than 0 nats, not {self.tolerance}")
         if not self.kernels or any(k != EAGER and k not in self.kernel_specs for k in self.kernels):
             raise ValueError("every kernels variant must be `eager` or a parsed kernels file")
+        if self.spec_tokens < 0 or self.spec_ngram < 1:
+            raise EngineSetupError(f"--spec-tokens must be at least 0 and --spec-ngram at least 1, not "
+                                   f"{self.spec_tokens} and {self.spec_ngram}")
 
 
 _START = time.perf_counter()
@@ -74,21 +103,22 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _engine_config(opts: BenchOptions, variant: str, **extra) -> EngineConfig:
+def _engine_config(opts: BenchOptions, variant: Variant, **extra) -> EngineConfig:
     w = opts.work
-    length = -(-w.max_len() // opts.block_size) * opts.block_size
-    per_seq = -(-(w.concurrent_prompt + w.concurrent_tokens) // opts.block_size)
+    length = -(-(w.max_len() + variant.spec_tokens) // opts.block_size) * opts.block_size
+    per_seq = -(-(w.concurrent_prompt + w.concurrent_tokens + variant.spec_tokens) // opts.block_size)
     blocks = max(w.concurrency * per_seq, length // opts.block_size) + w.concurrency
     settings = dict(model_dir=None, dtype=opts.dtype, device=opts.device, block_size=opts.block_size,
                     max_num_seqs=w.concurrency, max_model_len=length, num_kv_blocks=blocks,
                     max_num_batched_tokens=max(2048, max(w.ttft_lengths)),
-                    kernels=opts.kernel_specs.get(variant, {}), enforce_eager=opts.enforce_eager,
-                    async_decode=opts.async_decode, seed=opts.seed)
+                    kernels=opts.kernel_specs.get(variant.kernels, {}), enforce_eager=opts.enforce_eager,
+                    async_decode=opts.async_decode, seed=opts.seed, quantization="fp8" if variant.fp8 else "",
+                    spec_tokens=variant.spec_tokens, spec_ngram=opts.spec_ngram)
     settings.update(extra)
     return EngineConfig(**settings)
 
 
-def _engine_variant(opts: BenchOptions, variant: str, cfg: ModelConfig, weights, oracle) -> dict:
+def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weights, oracle, ceilings) -> dict:
     engine, graphs_error = None, None
     try:
         engine = LLMEngine(_engine_config(opts, variant), cfg, weights)
@@ -106,7 +136,7 @@ def _engine_variant(opts: BenchOptions, variant: str, cfg: ModelConfig, weights,
     small = dict(enforce_eager=True, max_num_seqs=work.check_prompts, num_kv_blocks=work.check_prompts * (
         -(-(work.check_prompt_len + work.check_tokens) // opts.block_size)) + 1)
     eager = LLMEngine(_engine_config(opts, variant, **small), cfg, weights)
-    tol = opts.tolerance if opts.tolerance is not None else TOLERANCE[opts.dtype]
+    tol = opts.tolerance if opts.tolerance is not None else FP8_TOLERANCE if variant.fp8 else TOLERANCE[opts.dtype]
     result = {"kernels": engine.kernel_choices, "config": _config_summary(engine.config),
               "graph_batch_sizes": engine.runner.graphs.sizes if engine.runner.graphs else [],
               "graphs_error": graphs_error,
@@ -119,7 +149,20 @@ def _engine_variant(opts: BenchOptions, variant: str, cfg: ModelConfig, weights,
          + (f", vs HF: gap {c['engine_vs_hf']['worst_gap_to_hf_argmax']:.3g}, "
             f"logprob diff {c['engine_vs_hf']['max_logprob_diff']:.3g}" if "engine_vs_hf" in c else "") + ")")
     result["metrics"] = engine_phases(engine, work, cfg.vocab, opts.seed, _log)
+    if variant.fp8:  # its own roofline: the matrices are read at one byte a parameter
+        result["roofline"] = _bounds(opts, cfg, ceilings, matrix_itemsize=1)
+        result["fp8"] = engine.kernel_choices["fp8"]
+    if variant.spec_tokens:  # every phase's drafts together, warm-ups included
+        result["speculative"] = engine.spec_stats.as_dict()
     return result
+
+
+def _bounds(opts: BenchOptions, cfg: ModelConfig, ceilings: dict, matrix_itemsize: float | None = None) -> dict:
+    w = opts.work
+    return bounds(cfg, DTYPES[opts.dtype].itemsize, ceilings["copy_bytes_per_s"], ceilings["matmul_flops_per_s"],
+                  list(w.ttft_lengths), w.concurrency, decode_context=w.decode_prompt + w.decode_tokens / 2,
+                  concurrent_context=w.concurrent_prompt + w.concurrent_tokens / 2,
+                  long_contexts=w.decode_contexts, decode_tokens=w.decode_tokens, matrix_itemsize=matrix_itemsize)
 
 
 def _config_summary(config: EngineConfig) -> dict:
@@ -154,9 +197,7 @@ def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
     weights = random_weights(cfg, dtype, opts.device, opts.seed)
     out = {"model": {"weight_bytes_decode_b1": weight_bytes(cfg, 1, dtype.itemsize),
                      "moe": cfg.is_moe},
-           "roofline": bounds(cfg, dtype.itemsize, ceilings["copy_bytes_per_s"],
-                              ceilings["matmul_flops_per_s"], list(opts.work.ttft_lengths),
-                              opts.work.concurrency),
+           "roofline": _bounds(opts, cfg, ceilings),
            "systems": {}}
     oracle = None
     if not opts.skip_hf:
@@ -165,15 +206,17 @@ def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
         oracle = HFOracle.sharing(cfg, weights)
     # HF right after the first variant: a later one with kernels never run on this GPU could
     # take the CUDA context, and everything after it, down with an illegal memory access.
-    order = [opts.kernels[0]] + (["hf"] if oracle is not None else []) + list(opts.kernels[1:])
+    variants = opts.variants
+    order = variants[:1] + (["hf"] if oracle is not None else []) + variants[1:]
     for system in order:
-        name = "hf" if system == "hf" else "engine" if system == EAGER else f"engine+{Path(system).name}"
+        name = "hf" if system == "hf" else system.name
         _log(f"{preset}: {name}")
         if system == "hf":
             out["systems"][name] = _run_system(lambda: _hf_system(opts, cfg, oracle), opts.device)  # noqa: F821 (deleted below, after the lambda ran)
         else:
-            out["systems"][name] = _run_system(lambda: _engine_variant(opts, system, cfg, weights, oracle),  # noqa: F821 (deleted below, after the lambda ran)
-                                               opts.device)
+            out["systems"][name] = _run_system(
+                lambda: _engine_variant(opts, system, cfg, weights, oracle, ceilings),  # noqa: F821 (deleted below)
+                opts.device)
         save(out)
     del oracle, weights
     _free(opts.device)

@@ -32,6 +32,7 @@ class Workload:
     check_prompt_len: int = 16
     check_tokens: int = 8
     cap_s: float = 20.0
+    decode_contexts: tuple[int, ...] = ()  # batch-1 decode after prompts this long (the engine only)
 
     def __post_init__(self):
         # The options of `engine bench` (engine_templates/engine/cli.py) named as it names them.
@@ -42,12 +43,14 @@ class Workload:
             at_least(name, getattr(self, name), 1)
         if not self.ttft_lengths or min(self.ttft_lengths) < 1:
             raise EngineSetupError(f"--ttft-lengths must be at least 1, not {list(self.ttft_lengths)}")
+        if self.decode_contexts and min(self.decode_contexts) < 1:
+            raise EngineSetupError(f"--decode-contexts must be at least 1, not {list(self.decode_contexts)}")
         if self.cap_s <= 0:
             raise EngineSetupError(f"--phase-seconds must be more than 0, not {self.cap_s}")
 
     def max_len(self) -> int:
         """The longest sequence any phase makes."""
-        return max(max(self.ttft_lengths) + 1, self.decode_prompt + self.decode_tokens + 1,
+        return max(max(self.ttft_lengths) + 1, max((self.decode_prompt, *self.decode_contexts)) + self.decode_tokens + 1,
                    self.concurrent_prompt + self.concurrent_tokens,
                    self.check_prompt_len + self.check_tokens)
 
@@ -127,6 +130,10 @@ def engine_phases(engine: LLMEngine, work: Workload, vocab: int, seed: int, log)
     engine_decode(engine, prompt, 4, work.cap_s)  # warm-up
     metrics["decode_b1_tok_s"] = engine_decode(engine, prompt, work.decode_tokens, work.cap_s)
     log(f"  decode b=1: {metrics['decode_b1_tok_s']['value']:.1f} tok/s")
+    for n in work.decode_contexts:
+        key = f"decode_b1_ctx{n}_tok_s"
+        metrics[key] = engine_decode(engine, random_prompts(1, n, vocab, seed + 4)[0], work.decode_tokens, work.cap_s)
+        log(f"  decode b=1 after {n} tokens: {metrics[key]['value']:.1f} tok/s")
     for n in work.ttft_lengths:
         prompts = random_prompts(work.ttft_reps + 1, n, vocab, seed + n)
         times = [engine_ttft(engine, p) for p in prompts][1:]  # the first is the warm-up

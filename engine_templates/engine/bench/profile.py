@@ -2,7 +2,8 @@
 
 Three numbers per batch size, each per step: the wall time of `LLMEngine.step()` with CUDA
 graphs (what `engine bench` times), the device's busy time in that step (the sum of its
-kernels' durations, from the profiler), and the weight-bytes roofline. Then the kernels of an
+kernels' durations, from the profiler), and the bytes roofline (the weights, and every
+sequence's KV cache at --context). Then the kernels of an
 eager step (no graphs, so each kernel is named), grouped by name: calls and time per step.
 Wall minus busy is the host's share (scheduling, sampling, the token's copy back) — with async
 decode (the default; --no-async-decode for without) what of it the device's work does not hide;
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine_templates.ceilings import measure
-from engine_templates.engine.bench.roofline import weight_bytes
+from engine_templates.engine.bench.roofline import kv_bytes, weight_bytes
 from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.kernels import parse_kernels_file
@@ -92,7 +93,8 @@ def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], c
     print(f"## {preset}: {torch.cuda.get_device_name()}, kernels {kernels_file or 'eager'}, context {context}, "
           f"copy bandwidth {copy_gbs:.0f} GB/s, async decode {'on' if async_decode else 'off'}", file=out)
     for batch in batches:
-        roof_us = weight_bytes(cfg, batch, 2) / (copy_gbs * 1e9) * 1e6
+        # the weights once, and each sequence's KV cache at its context
+        roof_us = (weight_bytes(cfg, batch, 2) + batch * kv_bytes(cfg, context, 2)) / (copy_gbs * 1e9) * 1e6
         graphed = _engine(cfg, weights, kernels, batch, context, steps, eager=False, async_decode=async_decode)
         _start(graphed, cfg, batch, context, steps)
         wall = _wall_us(graphed, steps)

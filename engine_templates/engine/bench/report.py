@@ -4,26 +4,40 @@ from __future__ import annotations
 from engine_templates.engine.bench.roofline import fraction
 
 LABELS = {"decode_b1_tok_s": "decode, batch 1 (tok/s)", "ttft": "TTFT, {n} tokens (ms)",
-          "concurrent": "output, {n} concurrent (tok/s)"}
+          "concurrent": "output, {n} concurrent (tok/s)", "decode": "decode, batch 1, after {n} tokens (tok/s)"}
 
 
 def _label(metric: str) -> str:
+    if metric in LABELS:
+        return LABELS[metric]
     kind, n = metric.split("_")[0], metric.split("_")[1]
-    return LABELS.get(metric) or LABELS[kind].format(n=n)
+    if kind == "decode":  # decode_b1_ctx<N>_tok_s
+        n = metric.split("_ctx")[1].split("_")[0]
+    return LABELS[kind].format(n=n)
 
 
 def _metric_names(result: dict) -> list[str]:
     w = result["workload"]
-    return (["decode_b1_tok_s"] + [f"ttft_{n}_ms" for n in w["ttft_lengths"]]
-            + [f"concurrent_{w['concurrency']}_tok_s"])
+    return (["decode_b1_tok_s"] + [f"decode_b1_ctx{n}_tok_s" for n in w.get("decode_contexts", ())]
+            + [f"ttft_{n}_ms" for n in w["ttft_lengths"]] + [f"concurrent_{w['concurrency']}_tok_s"])
 
 
 def _cell(system: dict, metric: str, roofline: float) -> str:
+    """The figure and its fraction of the system's own roofline (an FP8 engine's reads half the
+    bytes) — or "-" for a phase the system does not run (HF after a long prompt)."""
     if "error" in system:
         return "error"
-    m = system["metrics"][metric]
+    m = system["metrics"].get(metric)
+    if m is None:
+        return "-"
+    roofline = system.get("roofline", {}).get(metric, roofline)
     capped = " (capped)" if m.get("capped") else ""
-    return f"{m['value']:.4g} ({100 * fraction(metric, m['value'], roofline):.1f}%){capped}"
+    own = " of its FP8 roofline" if "roofline" in system else ""
+    return f"{m['value']:.4g} ({100 * fraction(metric, m['value'], roofline):.1f}%{own}){capped}"
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.2f}"
 
 
 def markdown(result: dict) -> str:
@@ -34,12 +48,13 @@ def markdown(result: dict) -> str:
              f"Copy bandwidth {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul "
              f"{ceil['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s, measured in this run. Each figure is "
              "followed by its fraction of the weight-bytes roofline (rates: measured / roofline; "
-             "times: roofline / measured). TTFT's matmul-FLOP bound is given beside its roofline.",
+             "times: roofline / measured). Decode bounds count the KV cache read at the phase's mean "
+             "context. TTFT's matmul-FLOP bound is given beside its roofline.",
              ""]
     for preset, r in result["presets"].items():
         systems = list(r["systems"])
         lines += [f"## {preset}", "",
-                  "| metric | weight-bytes roofline | " + " | ".join(systems) + " |",
+                  "| metric | bytes roofline | " + " | ".join(systems) + " |",
                   "|---|---|" + "---|" * len(systems)]
         for metric in _metric_names(result):
             bound = r["roofline"][metric]
@@ -59,5 +74,10 @@ def markdown(result: dict) -> str:
                     f"| {name} | {'ok' if c['agree'] else 'NOT OK'} | {c['graphs']} | "
                     f"{c['graphs_vs_eager']['tokens_equal']} | {hf.get('worst_gap_to_hf_argmax', float('nan')):.3g} | "
                     f"{hf.get('max_logprob_diff', float('nan')):.3g} | {hf.get('hf_greedy_equal_prefix', '')} |")
+        spec = {name: s["speculative"] for name, s in r["systems"].items() if "speculative" in s}
+        if spec:
+            lines += ["", "| system | drafted tokens | accepted | acceptance rate |", "|---|---|---|---|"]
+            lines += [f"| {name} | {x['drafted_tokens']} | {x['accepted_tokens']} | {_rate(x['acceptance_rate'])} |"
+                      for name, x in spec.items()]
         lines.append("")
     return "\n".join(lines)

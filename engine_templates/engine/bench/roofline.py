@@ -1,12 +1,17 @@
-"""What the hardware allows: the weight bytes a forward pass must read, its matmul FLOPs, and
-each measured figure as a fraction of the bound those give with the measured ceilings.
+"""What the hardware allows: the bytes a forward pass must read, its matmul FLOPs, and each
+measured figure as a fraction of the bound those give with the measured ceilings.
 
 Weight bytes of a forward pass over T tokens (each weight read once): every attention and MLP
 matrix, the norms and the LM head; of the embedding table only the T rows looked up. For an MoE
 layer the router and only the experts the T tokens route to: k of them for one token, and for
 T tokens the expected number of distinct experts when each token picks k of E uniformly,
-E * (1 - (1 - k/E)^T). The KV cache is not counted: at these lengths it is small next to the
-weights, and leaving it out keeps the bound a pure weight-streaming one.
+E * (1 - (1 - k/E)^T). With FP8 weights the matrices (attention, MLP, experts) count one byte a
+parameter; their scales (4 bytes per 128 x 128 block, or per row) are left out, under 0.1%.
+
+A decode step also reads each sequence's KV cache: K and V of every cached position in every
+layer (`kv_bytes`). The decode and concurrent bounds count it at the phase's mean context, so a
+fraction of the roofline stays honest at long contexts (at 32k tokens qwen3-8b reads 4.8 GB of
+cache a step beside its 15 GB of weights). A prefill's bound is its weights alone.
 """
 from __future__ import annotations
 
@@ -29,12 +34,19 @@ def _layer_matrices(cfg: ModelConfig, tokens: int) -> float:
     return attn + mlp
 
 
-def weight_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> float:
-    """Bytes of weights one forward pass over `tokens` tokens reads, each weight once."""
+def weight_bytes(cfg: ModelConfig, tokens: int, itemsize: int, matrix_itemsize: float | None = None) -> float:
+    """Bytes of weights one forward pass over `tokens` tokens reads, each weight once; the layers'
+    matrices at `matrix_itemsize` bytes a parameter (1 for FP8) when given."""
     h = cfg.hidden
-    norms = cfg.layers * (2 * h + 2 * cfg.head_dim) + h
-    params = cfg.layers * _layer_matrices(cfg, tokens) + norms + cfg.vocab * h + min(tokens, cfg.vocab) * h
-    return params * itemsize
+    router = cfg.experts * h if cfg.is_moe else 0
+    matrices = cfg.layers * (_layer_matrices(cfg, tokens) - router)
+    rest = cfg.layers * (router + 2 * h + 2 * cfg.head_dim) + h + cfg.vocab * h + min(tokens, cfg.vocab) * h
+    return matrices * (itemsize if matrix_itemsize is None else matrix_itemsize) + rest * itemsize
+
+
+def kv_bytes(cfg: ModelConfig, context: float, itemsize: int) -> float:
+    """Bytes of KV cache one decode step reads for one sequence of `context` cached positions."""
+    return 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * context * itemsize
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -49,13 +61,23 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def bounds(cfg: ModelConfig, itemsize: int, copy_bytes_per_s: float, matmul_flops_per_s: float,
-           ttft_lengths: list[int], concurrency: int) -> dict:
-    """The weight-bytes roofline of every metric (and, for TTFT, the matmul-FLOP bound)."""
-    out = {"decode_b1_tok_s": copy_bytes_per_s / weight_bytes(cfg, 1, itemsize),
-           f"concurrent_{concurrency}_tok_s":
-               concurrency * copy_bytes_per_s / weight_bytes(cfg, concurrency, itemsize)}
+           ttft_lengths: list[int], concurrency: int, decode_context: float = 0.0,
+           concurrent_context: float = 0.0, long_contexts: tuple[int, ...] = (), decode_tokens: int = 0,
+           matrix_itemsize: float | None = None) -> dict:
+    """The bytes roofline of every metric (and, for TTFT, the matmul-FLOP bound): decode at batch 1
+    with `decode_context` cached positions on average, `concurrency` sequences at
+    `concurrent_context`, and batch 1 after each prompt of `long_contexts` tokens while it makes
+    `decode_tokens` more (`decode_b1_ctx<N>_tok_s`)."""
+    def weights(tokens: int) -> float:
+        return weight_bytes(cfg, tokens, itemsize, matrix_itemsize)
+
+    out = {"decode_b1_tok_s": copy_bytes_per_s / (weights(1) + kv_bytes(cfg, decode_context, itemsize)),
+           f"concurrent_{concurrency}_tok_s": concurrency * copy_bytes_per_s / (
+               weights(concurrency) + concurrency * kv_bytes(cfg, concurrent_context, itemsize))}
+    for n in long_contexts:
+        out[f"decode_b1_ctx{n}_tok_s"] = copy_bytes_per_s / (weights(1) + kv_bytes(cfg, n + decode_tokens / 2, itemsize))
     for n in ttft_lengths:
-        out[f"ttft_{n}_ms"] = 1e3 * weight_bytes(cfg, n, itemsize) / copy_bytes_per_s
+        out[f"ttft_{n}_ms"] = 1e3 * weights(n) / copy_bytes_per_s
         out[f"ttft_{n}_ms_flops"] = 1e3 * prefill_flops(cfg, n) / matmul_flops_per_s
     return out
 
