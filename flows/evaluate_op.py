@@ -6,6 +6,7 @@ import json
 from prefect import flow
 
 from contract.job import Candidate
+from engine_templates.ops import get_op
 from flows.optimize_op import scope_for
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
@@ -17,9 +18,10 @@ from tracking.store import TrackingConfig
 
 @flow(name="evaluate-candidate", log_prints=True)
 def evaluate_candidate(op: str, source: str, target: Target = Target(), name: str = "candidate.py",
-                       pool: Pool | None = None) -> dict:
-    """Compile, check and time one candidate module on the first free slot; returns its verdict."""
-    candidate = Candidate(op=op, kind="free", source=source, origin="cli")
+                       pool: Pool | None = None, origin: str = "cli") -> dict:
+    """Compile, check and time one candidate module on the first free slot; returns its verdict.
+    It is checked on held-out shapes (targets/held_out.py) drawn for this run too."""
+    candidate = Candidate(op=op, kind="free", source=source, origin=origin)
     pool = pool or local_pool()
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
@@ -28,7 +30,8 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
                                   params={"target": target.model_dump(mode="json"), "file": name})
     try:
         run_id = tracker.open_candidate(parent, scope, candidate)
-        outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker)
+        outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker,
+                           target.held_out_shapes(get_op(op)))
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise

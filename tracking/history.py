@@ -84,6 +84,10 @@ class Entry:
     gpu_timing: bool
     target: str
     run_id: str
+    # timed on the held-out shapes at the end of its optimization: the score there, and the
+    # status of that timing ("" where it was not timed, "pass", or what stopped it)
+    held_out: float | None = None
+    held_out_status: str = ""
 
 
 def flags(run: Run) -> set[str]:
@@ -123,7 +127,8 @@ def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, 
             out.append(Entry(len(out) + 1, run.info.run_name or key[0], key[0] or "", m["score"],
                              m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
                              m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
-                             t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
+                             t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id,
+                             m.get("held_out_score"), t.get(f"{T}held_out", "")))
     return Board(out, len(fallbacks))
 
 
