@@ -89,9 +89,14 @@ def test_failures_on_held_out_shapes_are_withheld_from_proposers():
     assert withheld("decode_b4 (normal inputs, seed 7): relative error 0.9").startswith("decode_b4")
 
 
-def _proposer_view(tracker: Tracker, scope, template: str) -> str:
-    """Everything the proposers are given of this scope's history, as text."""
-    return repr(trials(tracker, scope, template))
+def _proposer_view(tracker: Tracker, scope, target: Target) -> str:
+    """Everything a proposer is given of this scope: its history, and the op description that a
+    code-writing proposer's prompt and an agent's `describe_op` carry."""
+    from proposers.describe import describe, render
+
+    history = trials(tracker, scope, None)
+    assert history  # the view holds the runs judged on the held-out shapes
+    return repr(history) + render(describe(scope.op, target, history))
 
 
 def test_a_candidate_tuned_to_the_shown_shapes_fails_on_held_out_ones(prefect_server, tracking_home):
@@ -111,7 +116,7 @@ def test_a_candidate_tuned_to_the_shown_shapes_fails_on_held_out_ones(prefect_se
 
     tracker = Tracker(TrackingConfig.from_env())
     scope = scope_for("rmsnorm", target, local_pool())
-    view = _proposer_view(tracker, scope, "free")
+    view = _proposer_view(tracker, scope, target)
     for s in target.held_out_shapes(get_op("rmsnorm")):
         assert s.label.removeprefix(PREFIX) not in view
     assert PREFIX not in view
@@ -123,7 +128,7 @@ def test_the_best_are_timed_on_held_out_shapes_and_the_leaderboard_shows_both(pr
     from flows.optimize_op import optimize_op, scope_for
     from gpu_pool.pool import local_pool
 
-    target = Target(model="tiny", dtype="fp32", budget={"candidates": 2}, held_out={"timed": 1})
+    target = Target(model="tiny", dtype="fp32", budget={"candidates": 1})
     result = optimize_op(op="silu_mul", target=target, proposer="random", seed=11)
     tracker = Tracker(TrackingConfig.from_env())
     got = tracker.client.download_artifacts(result["parent_run_id"], "held_out.json", str(tmp_path))
@@ -149,6 +154,6 @@ def test_the_best_are_timed_on_held_out_shapes_and_the_leaderboard_shows_both(pr
     assert main(["report", "--op", "silu_mul", "--include-cpu"]) == 0
     assert "Held-out shapes" in capsys.readouterr().out
 
-    view = _proposer_view(tracker, scope_for("silu_mul", target, local_pool()), "flat")
+    view = _proposer_view(tracker, scope_for("silu_mul", target, local_pool()), target)
     for s in held:
         assert s["label"].removeprefix(PREFIX) not in view and s["label"] not in view
