@@ -19,8 +19,8 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
 from engine_templates.ops import OPS
-from targets import Target
 from gpu_pool.pool import Pool
+from targets import Target
 from targets.held_out import withheld
 
 INSTRUCTIONS = """\

@@ -4,18 +4,19 @@ A proposer (a search, an LLM, an agent) sees the target's shapes and is scored o
 can be tuned to exactly those sizes and nothing else. Each run draws, from every list of the
 workload (decode batches, prefill tokens, contexts), odd sizes in that list's range that the
 list does not hold (other batch sizes, odd row counts and context lengths), and builds the
-op's shapes from them under labels starting `held_out_`. The check stage checks every candidate on them beside the awkward sizes; an optimization times its
-best candidates on them at its end. They reach tracking (for the person reading the results) and
-never a proposer's view: `withheld` is applied to every failure text that view carries.
+op's shapes from them under labels starting `held_out_`. The check stage checks every candidate
+on them beside the awkward sizes; an optimization times its best candidates on them at its end.
+They reach tracking (for the person reading the results) and never a proposer's view: `withheld`
+is applied to every failure text that view carries.
 """
 from __future__ import annotations
 
 import random
 from typing import Sequence
 
+from contract.job import Shape
 from engine_templates.models import ModelDims
 from engine_templates.ops.base import Op
-from contract.job import Shape
 
 PREFIX = "held_out_"
 WITHHELD = "on a held-out shape (its size and the failure's detail are not shown to proposers)"
