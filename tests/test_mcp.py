@@ -19,7 +19,7 @@ from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-RMS = ROOT / "harness" / "gauntlet" / "rmsnorm"
+RMS = ROOT / "gauntlet" / "rmsnorm"
 
 
 def _server(home: Path) -> StdioServerParameters:
