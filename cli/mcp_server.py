@@ -6,8 +6,8 @@ the LLM proposer's prompt carries, proposers/describe.py), the judging of a cand
 through the same stages and gates as any other, logged in MLflow as proposed by
 `agent:<the client's name>`, and the leaderboard. No tool reads the harness, the oracle's inputs
 or the held-out shapes: a verdict comes back with its gates (a failure on a held-out shape
-without its detail), the shown shapes' timings, and no log of the candidate's process, which
-could print the sizes it was called with.
+without its detail, no detail with its inputs' seed), the shown shapes' timings, and no log of
+the candidate's process, which could print the sizes it was called with.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pydantic import Field
 
 from engine_templates.ops import OPS
 from gpu_pool.pool import Pool
+from proposers.describe import SEED
 from targets import Target
 from targets.held_out import withheld
 
@@ -42,13 +43,15 @@ def agent_name(ctx: Context) -> str:
 
 
 def agent_verdict(result: dict) -> dict:
-    """What the agent reads of an evaluation: nothing of the held-out shapes, no process log."""
+    """What the agent reads of an evaluation: nothing of the held-out shapes, no oracle seed, no
+    process log."""
     v = result["verdict"]
     timings = [{"shape": t["label"], "dims": t["dims"], "latency_us": (t["candidate_us"] + t["candidate_us_repeat"]) / 2,
                 "eager_us": t["eager_us"], "compile_us": t["compile_us"], "roofline_us": t["roofline_us"]}
                for t in v["timings"]]
     return {"status": v["status"], "score": v["metrics"].get("score"), "failing_gate": v["failing_gate"],
-            "gates": [{"name": g["name"], "passed": g["passed"], "detail": withheld(g["detail"])} for g in v["gates"]],
+            "gates": [{"name": g["name"], "passed": g["passed"], "detail": withheld(SEED.sub("", g["detail"]))}
+                      for g in v["gates"]],
             "flags": v["flags"], "max_rel_error": v["max_rel_error"], "timings": timings,
             "gpu_timing": bool(v["device"].get("gpu_timing")), "run_id": result["run_id"]}
 

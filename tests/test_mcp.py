@@ -13,7 +13,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.types import Implementation
 
-from targets.held_out import PREFIX
+from targets.held_out import PREFIX, WITHHELD
 from tracking.history import search
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
@@ -85,6 +85,20 @@ def test_an_agent_lists_describes_evaluates_and_reads_the_leaderboard(prefect_se
     correctness = next(g for g in passed["gates"] if g["name"] == "correctness")
     assert "over 7 shapes" in correctness["detail"], correctness
     assert PREFIX not in json.dumps([described, passed, failed, board])
+
+
+def test_a_verdict_reaches_the_agent_without_seeds_held_out_details_or_the_process_log():
+    from cli.mcp_server import agent_verdict
+
+    gates = [{"name": "compile", "passed": True, "detail": "warmed 7 shapes in 1.0 s"},
+             {"name": "accuracy", "passed": False, "detail": "held_out_decode_b5 (uniform inputs, seed 991): rel 0.9"},
+             {"name": "caching", "passed": False, "detail": "decode_b4 (heavy inputs, seed 17): stale"}]
+    verdict = {"status": "fail", "metrics": {}, "failing_gate": "accuracy", "gates": gates, "flags": [],
+               "max_rel_error": 0.9, "timings": [], "device": {}, "log_tail": "x.shape = (5, 96)"}
+    seen = agent_verdict({"run_id": "r", "verdict": verdict})
+    assert [g["detail"] for g in seen["gates"]] == ["warmed 7 shapes in 1.0 s", WITHHELD,
+                                                     "decode_b4 (heavy inputs): stale"]
+    assert "log_tail" not in seen and "(5, 96)" not in json.dumps(seen)
 
 
 @pytest.mark.parametrize("argv, message", [
