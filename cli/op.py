@@ -104,11 +104,13 @@ def cmd_leaderboard(args) -> int:
         print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else "")
               + (f" ({left_out})" if left_out else ""))
         return 0
-    print(f"{'#':>3}  {'score':>7}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  {'device':<14}  candidate")
+    print(f"{'#':>3}  {'score':>7}  {'held-out':>8}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  "
+          f"{'device':<14}  candidate")
     for e in rows:
         fmt = lambda x, suffix="x": f"{x:.2f}{suffix}" if x else "-"
         note = "" if e.gpu_timing else " (interpreter timing)"
-        print(f"{e.rank:>3}  {fmt(e.score):>7}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
+        held = fmt(e.held_out) if e.held_out_status == "pass" else e.held_out_status or "-"
+        print(f"{e.rank:>3}  {fmt(e.score):>7}  {held:>8}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
               f"{fmt(e.pct_roofline, '%'):>6}  {e.device[:14]:<14}  {e.label}  [{e.target}]{note}")
     if left_out:
         print(left_out)
@@ -157,7 +159,8 @@ def add_commands(sub) -> None:
     add_llm_options(o)
     o.set_defaults(fn=cmd_optimize)
 
-    lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first")
+    lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first, with their speed-up on "
+                                           "held-out shapes where an optimization timed them there")
     lb.add_argument("--op", required=True)
     lb.add_argument("--model", help="only this model preset")
     lb.add_argument("--limit", type=int, default=20, help="rows shown, at least 1 (default 20)")

@@ -6,35 +6,41 @@ import json
 from prefect import flow
 
 from contract.job import Candidate
+from engine_templates.ops import get_op
 from flows.optimize_op import scope_for
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
 from targets import Target
 from tasks.evaluate import evaluate, one_line
+from tracking.ledger import Charge
 from tracking.schema import Tracker
 from tracking.store import TrackingConfig
 
 
 @flow(name="evaluate-candidate", log_prints=True)
 def evaluate_candidate(op: str, source: str, target: Target = Target(), name: str = "candidate.py",
-                       pool: Pool | None = None) -> dict:
-    """Compile, check and time one candidate module on the first free slot; returns its verdict."""
-    candidate = Candidate(op=op, kind="free", source=source, origin="cli")
+                       pool: Pool | None = None, origin: str = "cli", charge: Charge | None = None) -> dict:
+    """Compile, check and time one candidate module on the first free slot; returns its verdict.
+    It is checked on held-out shapes (targets/held_out.py) drawn for this run too. `origin` names
+    who proposed it; `charge`, what proposing it cost (an agent's tokens)."""
+    candidate = Candidate(op=op, kind="free", source=source, origin=origin)
     pool = pool or local_pool()
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
     parent = tracker.start_parent("evaluation", scope, f"evaluate {name}",
-                                  params={"target": target.model_dump(mode="json"), "file": name})
+                                  params={"target": target.model_dump(mode="json"), "file": name},
+                                  tags={"infersmith.proposer": origin})
     try:
         run_id = tracker.open_candidate(parent, scope, candidate)
-        outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker)
+        outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker,
+                           target.held_out_shapes(get_op(op)), charge)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise
     print(f"{name}: {one_line(outcome)}")
     tracker.finish_parent(parent, {"candidates": 1, "passed": float(outcome.verdict.status == "pass"),
-                                   "gpu_seconds": outcome.charge.gpu_seconds, "cost_usd": outcome.charge.usd},
-                          {})
+                                   "gpu_seconds": outcome.charge.gpu_seconds, "cost_usd": outcome.charge.usd,
+                                   **outcome.charge.token_metrics()}, {})
     verdict = json.loads(outcome.verdict.to_json())
     return {"verdict": verdict, "run_id": outcome.run_id, "parent_run_id": parent, **outcome.charge.metrics()}

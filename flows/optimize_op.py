@@ -11,15 +11,15 @@ from prefect.artifacts import create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
-from contract.job import Candidate
-from contract.verdict import Verdict
+from contract.job import Candidate, Shape
+from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
 from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
-from tasks.evaluate import Outcome, evaluate, one_line
+from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
 from tracking.history import board, ceilings, trials
 from tracking.ledger import Charge
@@ -58,10 +58,7 @@ class Progress:
 
     def record(self, o: Outcome) -> None:
         self.done += 1
-        self.gpu_seconds += o.charge.gpu_seconds
-        self.usd += o.charge.usd
-        if o.charge.host:  # a malformed reply held no host
-            self.host_seconds[o.charge.host] += o.charge.gpu_seconds
+        self.spent(o.charge)
         score = o.verdict.score()
         if score is not None:
             self.passed += 1
@@ -69,6 +66,13 @@ class Progress:
             self.best, self.since_best = score, 0
         else:
             self.since_best += 1
+
+    def spent(self, charge: Charge) -> None:
+        """GPU time held for this run: a candidate's, or a timing on the held-out shapes."""
+        self.gpu_seconds += charge.gpu_seconds
+        self.usd += charge.usd
+        if charge.host:  # a malformed reply held no host
+            self.host_seconds[charge.host] += charge.gpu_seconds
 
     def may_launch(self, in_flight: int, proposing: int = 0) -> bool:
         return self.stop_reason(proposing) is None and self.done + in_flight < self.budget.candidates
@@ -150,6 +154,23 @@ def malformed(p: Proposal, run_id: str, charge: Charge, tracker: Tracker) -> Out
     return Outcome(p.candidate, verdict, charge, run_id)
 
 
+def time_on_held_out(passed: list[Outcome], target: Target, slots: list[Slot], tracker: Tracker,
+                     held_out: list[Shape]) -> list[Outcome]:
+    """The best `target.held_out.timed` passed candidates of this run, timed on its held-out
+    shapes, all at once as the pool allows; each result is printed beside the searched score."""
+    best = sorted(passed, key=lambda o: -o.verdict.score())[:target.held_out.timed] if held_out else []
+    futures = [time_held_out.submit(o, target, slots, tracker, held_out) for o in best]
+    timed = [f.result() for f in futures]
+    for searched, o in zip(best, timed):
+        v = o.verdict
+        gate = v.failing_gate
+        got = (f"{v.score():.3g}x" if v.status == PASS else
+               f"{v.status} [{gate.name if gate else '?'}] {gate.detail if gate else ''}")
+        print(f"held-out shapes ({', '.join(s.label for s in held_out)}): {o.candidate.label}: "
+              f"searched {searched.verdict.score():.3g}x, held-out {got}")
+    return timed
+
+
 @flow(name="optimize-op", log_prints=True)
 def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: ProposerName = "tpe",
                 template: str | None = None, seed: int = 0, pool: Pool | None = None,
@@ -181,6 +202,8 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
           + ("" if llm else f" over template {template!r}") + f" on {', '.join(s.label for s in slots)}; "
           f"tracking run {parent}")
     progress = Progress(target)
+    held_out = target.held_out_shapes(spec)
+    passed: list[Outcome] = []
     coder = LLMProposer(op, target, llm) if llm else None
     orphans = tracker.orphaned_pending(scope, kind)
     if orphans:
@@ -191,6 +214,8 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
 
     def report(o: Outcome) -> None:
         progress.record(o)
+        if o.verdict.score() is not None:
+            passed.append(o)
         print(f"[{progress.done}/{target.budget.candidates}] {o.candidate.label}"
               + (f" on {o.charge.gpu}" if o.charge.gpu else "") + f": {one_line(o)}")
 
@@ -212,7 +237,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                         batch += [(c, tracker.open_candidate(parent, scope, c), None) for c in fresh]
                         exhausted = None if batch else f"the template's space has nothing new ({len(history)} points tried)"
                 for c, run_id, charge in batch:
-                    in_flight[evaluate.submit(c, run_id, target, slots, tracker, charge)] = c
+                    in_flight[evaluate.submit(c, run_id, target, slots, tracker, held_out, charge)] = c
             if not in_flight and not replies:
                 break
             fut = next(as_completed([*in_flight, *replies]))
@@ -228,10 +253,13 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                 if p.malformed:
                     report(malformed(p, run_id, charge, tracker))
                 else:
-                    in_flight[evaluate.submit(p.candidate, run_id, target, slots, tracker, charge)] = p.candidate
+                    in_flight[evaluate.submit(p.candidate, run_id, target, slots, tracker, held_out,
+                                                    charge)] = p.candidate
                 continue
             in_flight.pop(fut)
             report(fut.result())
+        for o in time_on_held_out(passed, target, slots, tracker, held_out):
+            progress.spent(o.charge)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise
@@ -249,7 +277,8 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
                                       "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
     tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
-                          {"leaderboard.json": rows, "stop_reason.json": {"reason": reason}})
+                          {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
+                           "held_out.json": [s.to_dict() for s in held_out]})
     return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, **progress.metrics()}
 
 

@@ -2,6 +2,8 @@
 renders them as a form and a bad value is refused before anything runs."""
 from __future__ import annotations
 
+import random
+import secrets
 from pathlib import Path
 from typing import Literal
 
@@ -17,9 +19,11 @@ from pydantic import (
     model_validator,
 )
 
-from contract.job import Rules
+from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
 from engine_templates.models import PRESETS, ModelDims
+from engine_templates.ops.base import Op
+from targets.held_out import held_out_shapes
 
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
@@ -47,6 +51,19 @@ def is_tiny(model: str) -> bool:
 
 
 TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48])
+
+
+class HeldOut(BaseModel):
+    """Shapes no proposer sees (targets/held_out.py): every candidate is checked on them, and the
+    best of an optimization are timed on them, so that a kernel tuned to the shown shapes alone
+    shows as such."""
+
+    model_config = ConfigDict(extra="forbid")
+    per_list: NonNegativeInt = Field(1, description="odd sizes drawn from each workload list's range (decode "
+                                                    "batches, prefill tokens, contexts); 0: none held out")
+    timed: NonNegativeInt = Field(3, description="best passed candidates of an optimization timed on them at its end")
+    seed: int | None = Field(None, description="draw from this seed, the same shapes each run; default: "
+                                               "drawn afresh for every run")
 
 
 class Budget(BaseModel):
@@ -180,6 +197,7 @@ class Target(BaseModel):
     rtol: PositiveFloat | None = Field(None, description="relative-error tolerance; default per dtype")
     seeds: PositiveInt = Field(3, description="fresh random input sets per shape in the check stage")
     budget: Budget = Field(default_factory=Budget)
+    held_out: HeldOut = Field(default_factory=HeldOut)
     serving: Serving = Field(default_factory=Serving)
 
     @model_validator(mode="before")
@@ -214,6 +232,13 @@ class Target(BaseModel):
         if self.dtype == "fp8":
             raise ValueError("dtype fp8 is an end-to-end target (FP8 weights in the engine); no op has an fp8 target")
         return Rules(dtype=self.dtype, rtol=self.tolerance, seeds=self.seeds, compile_baseline=on_gpu)
+
+    def held_out_shapes(self, op: Op) -> list[Shape]:
+        """One run's held-out shapes of `op` (targets/held_out.py): from `held_out.seed`, else drawn afresh."""
+        seed = self.held_out.seed if self.held_out.seed is not None else secrets.randbits(64)
+        w = self.workload
+        return held_out_shapes(op, self.dims, w.decode_batches, w.prefill_tokens, w.contexts,
+                               self.held_out.per_list, random.Random(seed))
 
     def key(self) -> str:
         """What makes two runs comparable: same model, dtype and shapes."""

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from contract.job import STAGES, Candidate, Job
+from contract.job import STAGES, Candidate, Job, Shape
 from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
@@ -31,21 +31,31 @@ class Outcome:
     run_id: str
 
 
-def jobs_for(candidate: Candidate, target: Target, slot: Slot) -> dict[str, Job]:
+def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape] = ()) -> dict[str, Job]:
+    """The three stages' jobs: the target's shapes timed; the op's awkward sizes and this run's
+    held-out shapes (targets/held_out.py) checked too."""
     op = get_op(candidate.op)
     w = target.workload
     shapes = op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
-    odd = op.odd_shapes(target.dims)
+    odd = [*op.odd_shapes(target.dims), *held_out]
     on_gpu = slot.gpu is not None
     rules = target.rules(on_gpu)
     return {s: Job(s, candidate, target.model, shapes, odd, rules, "cuda" if on_gpu else "cpu") for s in STAGES}
 
 
+def held_out_jobs(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape]) -> dict[str, Job]:
+    """Compile and time a passed candidate on the held-out shapes alone: the check stage has
+    checked them already, and the bench stage judges what it times."""
+    jobs = jobs_for(candidate, target, slot)
+    return {s: replace(jobs[s], shapes=list(held_out), odd_shapes=[]) for s in ("compile", "bench")}
+
+
 def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Callable[..., StageRun],
-               charge: Charge) -> Verdict:
-    """Stages in order, stopping at the first that does not pass; one merged verdict."""
+               charge: Charge, jobs: dict[str, Job] | None = None) -> Verdict:
+    """Stages in order (`jobs`, default jobs_for's), stopping at the first that does not pass;
+    one merged verdict."""
     verdict: Verdict | None = None
-    for stage, job in jobs_for(candidate, target, slot).items():
+    for stage, job in (jobs or jobs_for(candidate, target, slot)).items():
         run = run_stage(stage, job, slot, target.budget.stage_timeout_s)
         charge.add_stage(stage, run.held_s, slot.usd_per_second)
         if verdict is None:
@@ -64,27 +74,36 @@ def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:
     return STAGE_TASKS[stage](job, slot, timeout_s)
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker,
-             charge: Charge | None = None) -> Outcome:
-    """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`;
-    recorded whatever happens. A host fault retries it on another host (see gpu_pool.dispatch).
-    `charge`: what proposing it already cost (an LLM's tokens), added to."""
-    charge = charge or Charge()
-
+def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Charge,
+            jobs: Callable[[Slot], dict[str, Job]]) -> Verdict:
+    """The stages of jobs(slot) on a leased slot of `slots`; a host fault retries them on another
+    host (see gpu_pool.dispatch), and one that no host could run is a `host` crash."""
     def attempt(slot: Slot) -> Verdict:
         charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
         start = time.time()
         try:
-            return run_stages(candidate, target, slot, _stage_task, charge)
+            return run_stages(candidate, target, slot, _stage_task, charge, jobs(slot))
         finally:  # while the lease is held: the audit trail that no two candidates shared the slot
             charge.held.append((slot.label, start, time.time()))
 
     try:
-        verdict = run_leased(slots, attempt)
+        return run_leased(slots, attempt)
     except HostFault as e:
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("host", f"no host could run it ({charge.attempts} of at most {MAX_ATTEMPTS} tried): {e}")
+        return verdict
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker,
+             held_out: list[Shape] | None = None, charge: Charge | None = None) -> Outcome:
+    """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`,
+    checked on the held-out shapes too; recorded whatever happens. `charge`: what proposing it
+    already cost (an LLM's tokens), added to."""
+    charge = charge or Charge()
+    try:
+        verdict = _judged(candidate, target, slots, charge,
+                          lambda slot: jobs_for(candidate, target, slot, held_out or ()))
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
@@ -92,6 +111,17 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
         raise
     tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
     return Outcome(candidate, verdict, charge, run_id)
+
+
+@task(name="time-held-out", cache_policy=NO_CACHE)
+def time_held_out(outcome: Outcome, target: Target, slots: list[Slot], tracker: Tracker,
+                  held_out: list[Shape]) -> Outcome:
+    """A passed candidate compiled and timed on the held-out shapes; the result goes on its own
+    run beside its searched score (Tracker.finish_held_out)."""
+    c, charge = outcome.candidate, Charge()
+    verdict = _judged(c, target, slots, charge, lambda slot: held_out_jobs(c, target, slot, held_out))
+    tracker.finish_held_out(outcome.run_id, verdict, charge)
+    return Outcome(c, verdict, charge, outcome.run_id)
 
 
 def _template_source(candidate: Candidate) -> str | None:

@@ -9,6 +9,8 @@ from mlflow.entities import Run, ViewType
 
 from contract.job import Candidate
 from contract.serve import EngineCandidate
+from targets.held_out import PREFIX as HELD_OUT
+from targets.held_out import withheld
 from tracking.schema import CEILING_METRICS, RunScope, T, Tracker
 from tracking.trials import PENDING, Ceilings, EngineTrial, Trial
 
@@ -38,7 +40,8 @@ def search(tracker: Tracker, op: str, order_by: list[str] | None = None, like: d
 
 def trials(tracker: Tracker, scope: RunScope, template: str | None) -> list[Trial]:
     """Every trial of this op, target, GPU class and template (None: every template and every free
-    candidate), from any flow, finished or pending, with what the run recorded."""
+    candidate), from any flow, finished or pending, with what the run recorded: what proposers
+    learn from, so nothing of the held-out shapes."""
     out = []
     for run in search(tracker, scope.op, target=scope.target_key, pool_class=scope.gpu_class,
                       **({"template": template} if template else {})):
@@ -49,9 +52,11 @@ def trials(tracker: Tracker, scope: RunScope, template: str | None) -> list[Tria
             if source is None:  # opened by a version that logged the source only when judged
                 continue
             bare["source"] = source
+        # What a held-out shape did stays out of the proposers' view (targets/held_out.py).
+        metrics = {k: v for k, v in run.data.metrics.items() if not k.startswith(HELD_OUT)}
         out.append(Trial(Candidate.from_dict(bare), tags.get(f"{T}status", PENDING), run.data.metrics.get("score"),
-                         dict(run.data.metrics), tags.get(f"{T}failing_gate", ""),
-                         tags.get(f"{T}failing_detail", ""), run.info.start_time or 0))
+                         metrics, tags.get(f"{T}failing_gate", ""),
+                         withheld(tags.get(f"{T}failing_detail", "")), run.info.start_time or 0))
     return out
 
 
@@ -84,6 +89,10 @@ class Entry:
     gpu_timing: bool
     target: str
     run_id: str
+    # timed on the held-out shapes at the end of its optimization: the score there, and the
+    # status of that timing ("" where it was not timed, "pass", or what stopped it)
+    held_out: float | None = None
+    held_out_status: str = ""
 
 
 def flags(run: Run) -> set[str]:
@@ -123,7 +132,8 @@ def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, 
             out.append(Entry(len(out) + 1, run.info.run_name or key[0], key[0] or "", m["score"],
                              m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
                              m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
-                             t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id))
+                             t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id,
+                             m.get("held_out_score"), t.get(f"{T}held_out", "")))
     return Board(out, len(fallbacks))
 
 

@@ -5,7 +5,8 @@ with torch eager and torch.compile timed in the same process, each as % of the r
 measured on that device, and the spread between two timings of the candidate. A ratio to
 torch.compile within that spread is marked `tie`. Candidates flagged `reference_fallback` (they
 call torch's own op) are left out and counted; the header names the date and versions of the rows
-shown, per shape where they differ.
+shown, per shape where they differ. Under each table, the candidates timed on held-out shapes
+(targets/held_out.py) with their searched and held-out speed-ups.
 """
 from __future__ import annotations
 
@@ -113,8 +114,25 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
         if warm:
             out.append("\n† the rotated input sets total less than twice the GPU's L2 (the set count is "
                        "capped), so repeats may be served from the L2: for candidate and baselines alike.")
+        out += _held_out_rows(ranked)
         out.append("")
     return "\n".join(out) if out else f"no passed GPU-timed candidates for {op}\n"
+
+
+def _held_out_rows(runs: list[Run], limit: int = 5) -> list[str]:
+    """The candidates timed on held-out shapes (sizes no proposer saw, drawn afresh each
+    optimization), best searched score first: a speed-up that holds only on the shown shapes shows."""
+    timed = sorted((r for r in runs if r.data.tags.get(f"{T}held_out")), key=lambda r: -r.data.metrics.get("score", 0))
+    if not timed:
+        return []
+    out = ["", "Held-out shapes (never shown to a proposer): speed-up over the best baseline, geometric mean.", "",
+           "| candidate | searched | held-out |", "| --- | --- | --- |"]
+    for run in timed[:limit]:
+        m, status = run.data.metrics, run.data.tags[f"{T}held_out"]
+        held = (f"{m['held_out_score']:.2f}x" if status == "pass" and "held_out_score" in m
+                else f"{status} at {run.data.tags.get(f'{T}held_out_gate') or '?'}")
+        out.append(f"| `{run.info.run_name}` | {m.get('score', 0):.2f}x | {held} |")
+    return out
 
 
 def _shape_order(label: str):

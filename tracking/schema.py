@@ -8,6 +8,8 @@ relative error), the GPU's measured ceilings and the ledger (GPU-seconds, cost, 
 tokens and dollars) as metrics; status, op, target, model, proposer, GPU, failing gate and its
 detail, screening flags as tags; the candidate's source, its verdict and (from an LLM) the
 prompt and reply as artifacts.
+A passed child timed on the held-out shapes at the end of its optimization gets `held_out_*`
+summary metrics, tags `held_out` and `held_out_gate`, and `held_out/verdict.json`.
 A child is created `pending` when proposed, so parallel proposers see it in flight; a
 pending child whose parent's controller is gone is an orphan, re-queued by the next flow.
 """
@@ -40,6 +42,8 @@ MAX_DETAIL = 1000  # of a failing gate's detail kept as a tag; verdict.json hold
 # The ceilings a GPU-timed verdict measured (keyed by its device["ceilings"] names), as metrics:
 # where the controller learns a GPU class's roofline (tracking.history.ceilings) without a worker.
 CEILING_METRICS = {"copy_bytes_per_s": "ceiling_copy_bytes_per_s", "matmul_flops_per_s": "ceiling_matmul_flops_per_s"}
+# The verdict's summaries kept, prefixed `held_out_`, from a timing on the held-out shapes.
+HELD_OUT_SUMMARY = ("score", "geomean_speedup_vs_eager", "geomean_speedup_vs_compile", "geomean_pct_roofline")
 
 
 def _flatten(prefix: str, obj, out: dict[str, str]) -> dict[str, str]:
@@ -149,6 +153,19 @@ class Tracker:
                     return None
                 _SOURCES[run_id] = Path(path).read_text()
         return _SOURCES[run_id]
+
+    def finish_held_out(self, run_id: str, verdict: Verdict, charge: Charge) -> None:
+        """A passed candidate's timing on the held-out shapes, on its own run beside its searched
+        figures: `held_out_score` and the geomeans under `held_out_`, its status and failing gate
+        as tags, the verdict as `held_out/verdict.json`. Per-shape figures stay in that artifact:
+        the run's `<shape>/<metric>` metrics are the shown shapes' alone."""
+        failing = verdict.failing_gate
+        m = verdict.metrics()
+        metrics = {f"held_out_{k}": m[k] for k in HELD_OUT_SUMMARY if k in m}
+        metrics |= {"held_out_gpu_seconds": charge.gpu_seconds, "held_out_cost_usd": charge.usd}
+        _batch(self.client, run_id, metrics=metrics,
+               tags={f"{T}held_out": verdict.status, f"{T}held_out_gate": failing.name if failing else ""})
+        self.client.log_text(run_id, verdict.to_json(), "held_out/verdict.json")
 
     # -- engine configurations (the end-to-end stage) ------------------------------
     def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate) -> str:
