@@ -75,6 +75,9 @@ class Rules:
 
     dtype: str = "bf16"
     rtol: float = 1e-2  # allowed ||out - ref|| / ||ref||
+    # Looser, set by a target that lets a person approve a numerics change: an output within it
+    # but over rtol passes the stages flagged `beyond_tolerance`, and the controller asks.
+    approval_rtol: float | None = None
     seeds: int = 3  # fresh random inputs per shape in the check stage
     warmup_ms: float = 25.0
     rep_ms: float = 100.0

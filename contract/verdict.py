@@ -11,6 +11,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PASS, FAIL, CRASH, MALFORMED = "pass", "fail", "crash", "malformed"
+# Flags on which a passed candidate waits for a person's approval: outputs over the target's
+# tolerance but within its approval tolerance, and a computation the screen found in a lower
+# precision than the target's.
+BEYOND_TOLERANCE = "beyond_tolerance"
+APPROVAL_FLAGS = (BEYOND_TOLERANCE, "reduced_precision")
 
 
 @dataclass
@@ -124,6 +129,11 @@ class Verdict:
     @property
     def failing_gate(self) -> Gate | None:
         return next((g for g in self.gates if not g.passed), None)
+
+    @property
+    def needs_approval(self) -> list[str]:
+        """The flags a person must approve before this pass counts (none unless passed)."""
+        return [f for f in APPROVAL_FLAGS if f in self.flags] if self.status == PASS else []
 
     @property
     def gpu_timing(self) -> bool:

@@ -11,7 +11,7 @@ from typing import BinaryIO, Callable
 import torch
 
 from contract.job import Job
-from contract.verdict import PASS, ShapeTiming, Verdict
+from contract.verdict import BEYOND_TOLERANCE, PASS, ShapeTiming, Verdict
 from engine_templates import ceilings
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
@@ -186,7 +186,10 @@ class Judge:
             return
         self.items.add(item)
         graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
-        result = judge(self.op, outs, args, self.job.rules.rtol)
+        rtol = self.job.rules.rtol
+        result = judge(self.op, outs, args, self.job.rules.approval_rtol or rtol)
+        if result.ok and result.rel_error > rtol and BEYOND_TOLERANCE not in self.v.flags:
+            self.v.flags.append(BEYOND_TOLERANCE)
         self.judged += 1
         if parts[0] == "bench":
             self.judged_by_shape.setdefault(spec["shape"], set()).add(f"{phase}/{j}")
@@ -196,6 +199,8 @@ class Judge:
         if result.ok:
             return
         detail = f"{where}: {result.detail}"
+        if result.gate == "accuracy" and self.job.rules.approval_rtol:
+            detail += f" (the approval tolerance; the target's own is {rtol:g})"
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
@@ -229,8 +234,12 @@ class Judge:
             if self.judged != expected:
                 v.gate("protocol", False, f"{self.judged} of {expected} planned calls reported")
                 return
+            rules = self.job.rules
+            within = (f"{self.worst:.3g} <= {rules.rtol:g}" if self.worst <= rules.rtol else
+                      f"{self.worst:.3g} > the target's tolerance {rules.rtol:g}, <= its approval tolerance "
+                      f"{rules.approval_rtol:g}: a person decides")
             v.gate("correctness", True, f"{expected} calls over {len(self.shapes)} shapes; worst relative error "
-                                        f"{self.worst:.3g} <= {self.job.rules.rtol:g} (judged outside the sandbox)")
+                                        f"{within} (judged outside the sandbox)")
         elif self.job.stage == "bench":
             expected = {s["shape"] for s in self.plan["shapes"]}
             if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):

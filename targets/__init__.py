@@ -195,6 +195,11 @@ class Target(BaseModel):
     workload: Workload = Field(default_factory=Workload)
     gpu_class: GPUClass = "any"
     rtol: PositiveFloat | None = Field(None, description="relative-error tolerance; default per dtype")
+    approval_rtol: PositiveFloat | None = Field(
+        None, description="a looser tolerance: a candidate over rtol but within it waits for a person's approval "
+                          "in the Prefect UI (unset: it fails)")
+    approval_timeout_s: PositiveFloat = Field(86400.0, description="seconds a candidate waits for approval "
+                                                                   "before it is rejected")
     seeds: PositiveInt = Field(3, description="fresh random input sets per shape in the check stage")
     budget: Budget = Field(default_factory=Budget)
     held_out: HeldOut = Field(default_factory=HeldOut)
@@ -207,6 +212,13 @@ class Target(BaseModel):
         if isinstance(data, dict) and is_tiny(data.get("model", "")):
             data = {"workload": TINY_WORKLOAD.model_dump(), "serving": TINY_SERVING.model_dump(), **data}
         return data
+
+    @model_validator(mode="after")
+    def _approval_looser(self) -> Target:
+        if self.approval_rtol is not None and self.approval_rtol <= self.tolerance:
+            raise ValueError(f"approval_rtol {self.approval_rtol:g} must be looser than the tolerance "
+                             f"{self.tolerance:g}, not tighter")
+        return self
 
     @field_validator("model")
     @classmethod
@@ -231,7 +243,8 @@ class Target(BaseModel):
     def rules(self, on_gpu: bool) -> Rules:
         if self.dtype == "fp8":
             raise ValueError("dtype fp8 is an end-to-end target (FP8 weights in the engine); no op has an fp8 target")
-        return Rules(dtype=self.dtype, rtol=self.tolerance, seeds=self.seeds, compile_baseline=on_gpu)
+        return Rules(dtype=self.dtype, rtol=self.tolerance, approval_rtol=self.approval_rtol, seeds=self.seeds,
+                     compile_baseline=on_gpu)
 
     def held_out_shapes(self, op: Op) -> list[Shape]:
         """One run's held-out shapes of `op` (targets/held_out.py): from `held_out.seed`, else drawn afresh."""
