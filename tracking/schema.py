@@ -101,7 +101,9 @@ class Tracker:
         self.client.set_terminated(run_id, "FAILED")
 
     # -- children ----------------------------------------------------------------
-    def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate, requeued_from: str = "") -> str:
+    def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate, requeued_from: str = "",
+                       extra_tags: dict[str, str] | None = None) -> str:
+        """A pending child run; `extra_tags` (without the infersmith. prefix) are added to it."""
         source_sha = hashlib.sha256((cand.source or "").encode()).hexdigest()[:16] if cand.source else ""
         bare = {k: v for k, v in cand.to_dict().items() if k != "source"}
         tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
@@ -112,7 +114,8 @@ class Tracker:
                 # class of the slot that ran it, which in a mixed pool differs.
                 f"{T}pool_class": scope.gpu_class, f"{T}gpu_class": scope.gpu_class} | (
                     {f"{T}requeued_from": requeued_from} if requeued_from else {})
-        run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
+        run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags | {
+            f"{T}{k}": v for k, v in (extra_tags or {}).items()})
         params = {"candidate.kind": cand.kind, "candidate.id": cand.id}
         if cand.kind == "template":
             params["candidate.template"] = cand.template
@@ -133,9 +136,9 @@ class Tracker:
         self.client.log_dict(run_id, about, "proposal/about.json")
 
     def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
-                         template_source: str | None = None) -> None:
+                         template_source: str | None = None, tags: dict[str, str] | None = None) -> None:
         _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics(), **_ceilings(verdict)},
-               tags=_finish_tags(verdict, charge))
+               tags=_finish_tags(verdict, charge) | {f"{T}{k}": v for k, v in (tags or {}).items()})
         if template_source is not None:
             self.client.log_text(run_id, template_source, f"candidate/{cand.template}.py")
             self.client.log_dict(run_id, cand.point, "candidate/point.json")
@@ -166,6 +169,15 @@ class Tracker:
         _batch(self.client, run_id, metrics=metrics,
                tags={f"{T}held_out": verdict.status, f"{T}held_out_gate": failing.name if failing else ""})
         self.client.log_text(run_id, verdict.to_json(), "held_out/verdict.json")
+
+    def decide_candidate(self, run_id: str, verdict: Verdict, outcome: str, by: str, at: str, note: str) -> None:
+        """A person's decision on a candidate that waited for approval: its final verdict (a
+        score only when approved), the decision, who made it and when."""
+        failing = verdict.failing_gate
+        _batch(self.client, run_id, metrics=verdict.metrics(), tags={
+            f"{T}status": verdict.status, f"{T}failing_gate": failing.name if failing else "",
+            f"{T}approval": outcome, f"{T}approval_by": by, f"{T}approval_at": at, f"{T}approval_note": note})
+        self.client.log_text(run_id, verdict.to_json(), "verdict.json")
 
     # -- engine configurations (the end-to-end stage) ------------------------------
     def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate) -> str:

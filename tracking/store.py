@@ -1,7 +1,8 @@
 """Where tracking lives: MLflow's tracking URI and the local artifact folder.
 
 Resolved once at the edge (CLI or flow entry) into a TrackingConfig; deep code takes that.
-`MLFLOW_TRACKING_URI` wins; otherwise a SQLite file under INFERSMITH_HOME (./.infersmith).
+`MLFLOW_TRACKING_URI` wins; otherwise a SQLite file under INFERSMITH_HOME (./.infersmith). The
+knowledge base lives under INFERSMITH_HOME in either case.
 """
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from mlflow.tracking import MlflowClient
 from tracking.errors import TrackingStoreError
 
 
+def home() -> Path:
+    """The tracking home: INFERSMITH_HOME, or ./.infersmith (created)."""
+    path = Path(os.environ.get("INFERSMITH_HOME", ".infersmith")).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @dataclass(frozen=True)
 class TrackingConfig:
     uri: str
@@ -26,9 +34,8 @@ class TrackingConfig:
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if uri:
             return cls(uri=uri, artifact_root=None)
-        home = Path(os.environ.get("INFERSMITH_HOME", ".infersmith")).resolve()
-        home.mkdir(parents=True, exist_ok=True)
-        return cls(uri=f"sqlite:///{home / 'mlflow.db'}", artifact_root=(home / "artifacts").as_uri())
+        where = home()
+        return cls(uri=f"sqlite:///{where / 'mlflow.db'}", artifact_root=(where / "artifacts").as_uri())
 
 
 def _schema_revision_known(revision: str) -> bool:
