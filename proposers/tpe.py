@@ -1,4 +1,5 @@
-"""Optuna's TPE over the template's categorical space, rebuilt from the history on every call."""
+"""Optuna's TPE over the template's categorical space, rebuilt from the history on every call; the
+warm start's points (published knowledge from other targets) are its first trials."""
 from __future__ import annotations
 
 import warnings
@@ -11,7 +12,7 @@ from optuna.samplers import TPESampler
 from optuna.trial import TrialState, create_trial
 
 from contract.job import Candidate
-from proposers.base import Proposer, point_key
+from proposers.base import KNOWLEDGE, Proposer, point_key
 from proposers.random import RandomProposer
 from tracking.trials import PENDING, Trial
 
@@ -36,12 +37,17 @@ class TPEProposer(Proposer):
             return []
         taken = self.seen(history)
         picked: list[dict[str, Any]] = []
+        # The warm start's points not tried yet, then (into an empty history) the template's
+        # default, are the study's first trials: optuna hands enqueued trials out before it samples.
+        first = [p for p in self.warm_start if uniform.in_space(p)]
         if not history and (default := uniform.default_point()) is not None:
-            picked.append(default)
-            taken.add(point_key(default))
+            first.append(default)
+        queued = {point_key(p): p for p in first if point_key(p) not in taken}
 
         distributions = {k: CategoricalDistribution(v) for k, v in self.template.space.items()}
-        study = self.study(known, picked, distributions, len(history))
+        study = self.study(known, distributions, len(history))
+        for point in queued.values():
+            study.enqueue_trial(point)
         for _ in range(ASKS_PER_CANDIDATE * n):
             if len(picked) == n:
                 break
@@ -53,14 +59,15 @@ class TPEProposer(Proposer):
                 picked.append(point)
                 taken.add(point_key(point))
         picked += uniform.unseen_points(taken, n - len(picked), uniform.rng(history))
-        return [self.candidate(p) for p in picked]
+        warm = {point_key(p) for p in self.warm_start}
+        return [self.candidate(p, KNOWLEDGE if point_key(p) in warm else None) for p in picked]
 
     def startup_trials(self) -> int:
         """Trials TPE draws at random before it models the history."""
         return min(8, max(2, self.template.size() // 10))
 
-    def study(self, known: list[Trial], picked: list[dict[str, Any]],
-              distributions: dict[str, CategoricalDistribution], n_history: int) -> optuna.Study:
+    def study(self, known: list[Trial], distributions: dict[str, CategoricalDistribution],
+              n_history: int) -> optuna.Study:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
             sampler = TPESampler(seed=(self.seed * 1_000_003 + n_history) % 2**32, multivariate=True,
@@ -82,8 +89,6 @@ class TPEProposer(Proposer):
                 state, value = TrialState.COMPLETE, floor
             study.add_trial(create_trial(state=state, value=value, params=t.candidate.point,
                                          distributions=distributions))
-        for point in picked:
-            study.add_trial(create_trial(state=TrialState.RUNNING, params=point, distributions=distributions))
         return study
 
 
