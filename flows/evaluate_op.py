@@ -7,6 +7,7 @@ from prefect import flow
 
 from contract.job import Candidate
 from engine_templates.ops import get_op
+from flows.approval import decide
 from flows.optimize_op import scope_for
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
@@ -35,6 +36,8 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
         run_id = tracker.open_candidate(parent, scope, candidate)
         outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker,
                            target.held_out_shapes(get_op(op)), charge)
+        if outcome.held:  # the stages are done and their lease released: a person decides now
+            outcome = decide(outcome, target, tracker)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise

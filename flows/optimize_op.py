@@ -14,14 +14,18 @@ from prefect.runtime import flow_run
 from contract.job import Candidate, Shape
 from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
+from flows import approval
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
+from proposers.base import KNOWLEDGE, point_key
 from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
 from tracking.history import board, ceilings, trials
+from tracking.knowledge import KnowledgeBase, warm_points
+from tracking.knowledge.derive import write_drafts
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
@@ -174,10 +178,12 @@ def time_on_held_out(passed: list[Outcome], target: Target, slots: list[Slot], t
 @flow(name="optimize-op", log_prints=True)
 def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: ProposerName = "tpe",
                 template: str | None = None, seed: int = 0, pool: Pool | None = None,
-                llm: LLMSettings | None = None) -> dict:
+                llm: LLMSettings | None = None, warm_start: bool = True) -> dict:
     """Optimize one op for one target: every candidate, passing or not, becomes an MLflow run.
     As many candidates run at once as the pool has free GPUs of the target's class; with the
-    `llm` proposer, as many replies are awaited at once as the pool has free slots."""
+    `llm` proposer, as many replies are awaited at once as the pool has free slots. With
+    `warm_start`, a template search starts from the winners of other targets' published knowledge
+    entries; at the end, what the runs taught is written as draft entries for a person."""
     spec = get_op(op)
     template = template or next(iter(spec.templates))
     if template not in spec.templates:
@@ -192,7 +198,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     tracker = Tracker(TrackingConfig.from_env())
     proposer_seed = flow_seed(seed)
     params = {"target": target.model_dump(mode="json"), "proposer": proposer, "template": kind,
-              "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots]}
+              "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots], "warm_start": warm_start}
     if llm:  # the key's variable is named, the key never
         params["llm"] = llm.model_dump(mode="json", exclude={"prices"}) | {"price": llm.price and llm.price.model_dump()}
     parent = tracker.start_parent("optimization", scope, f"optimize {op} {target.model}", params=params,
@@ -201,6 +207,11 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     print(f"optimizing {op} for {target.key()} with {llm.origin if llm else proposer}"
           + ("" if llm else f" over template {template!r}") + f" on {', '.join(s.label for s in slots)}; "
           f"tracking run {parent}")
+    kb = KnowledgeBase.from_env()
+    warm = warm_points(op, template, scope, kb) if warm_start and not llm else []
+    entries_of = {point_key(p): ",".join(ids) for p, ids in warm}
+    if warm:
+        print(f"warm start: {len(warm)} points from published knowledge ({', '.join(entries_of.values())})")
     progress = Progress(target)
     held_out = target.held_out_shapes(spec)
     passed: list[Outcome] = []
@@ -210,6 +221,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
         print(f"re-queueing {len(orphans)} candidates a stopped flow left pending")
     in_flight: dict[PrefectFuture, Candidate] = {}
     replies: set[PrefectFuture] = set()  # the LLM's replies awaited
+    waiting: list[Outcome] = []  # passed, held for a person: asked once nothing is in flight
     exhausted = down = None
 
     def report(o: Outcome) -> None:
@@ -221,9 +233,13 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
 
     try:
         while True:
+            if waiting and not in_flight and not replies:
+                for o in waiting:
+                    report(approval.decide(o, target, tracker))
+                waiting = []
             busy = len(in_flight) + len(replies)
             n = min(room(slots, busy), target.budget.candidates - progress.done - busy)
-            if down is None and progress.may_launch(busy, len(replies)) and n > 0:
+            if down is None and not waiting and progress.may_launch(busy, len(replies)) and n > 0:
                 batch = [(c, claim_orphan(tracker, parent, scope, old, c), None) for old, c in orphans[:n]]
                 orphans = orphans[n:]
                 if len(batch) < n:  # open the pending runs first: the next proposal, here or in
@@ -233,12 +249,17 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                         ceil = ceilings(tracker, scope.gpu_class, target.dtype)
                         replies |= {propose_code.submit(coder, history, ceil) for _ in range(n - len(batch))}
                     else:
-                        fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch))
-                        batch += [(c, tracker.open_candidate(parent, scope, c), None) for c in fresh]
+                        fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch),
+                                        [p for p, _ in warm])
+                        batch += [(c, tracker.open_candidate(parent, scope, c, extra_tags={
+                            "knowledge": entries_of[point_key(c.point)]} if c.origin == KNOWLEDGE else None), None)
+                                  for c in fresh]
                         exhausted = None if batch else f"the template's space has nothing new ({len(history)} points tried)"
                 for c, run_id, charge in batch:
                     in_flight[evaluate.submit(c, run_id, target, slots, tracker, held_out, charge)] = c
             if not in_flight and not replies:
+                if waiting:
+                    continue
                 break
             fut = next(as_completed([*in_flight, *replies]))
             if fut in replies:
@@ -257,7 +278,12 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                                                     charge)] = p.candidate
                 continue
             in_flight.pop(fut)
-            report(fut.result())
+            outcome = fut.result()
+            if outcome.held:
+                print(f"{outcome.candidate.label} on {outcome.charge.gpu}: {one_line(outcome)}")
+                waiting.append(outcome)
+            else:
+                report(outcome)
         for o in time_on_held_out(passed, target, slots, tracker, held_out):
             progress.spent(o.charge)
     except BaseException as e:
@@ -276,10 +302,15 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
                                       "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
+    drafts = write_drafts(tracker, scope, kb)
+    if drafts:
+        print(f"knowledge: draft entries {', '.join(drafts)}; a person publishes them with `infersmith kb publish ID`")
     tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
                           {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
-                           "held_out.json": [s.to_dict() for s in held_out]})
-    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, **progress.metrics()}
+                           "held_out.json": [s.to_dict() for s in held_out],
+                           "knowledge.json": {"drafts": drafts, "warm_start": [ids for _, ids in warm]}})
+    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, "drafts": drafts,
+            **progress.metrics()}
 
 
 if __name__ == "__main__":

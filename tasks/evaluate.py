@@ -1,6 +1,7 @@
 """One candidate through compile -> check -> microbench, logged as one tracking child run."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -29,6 +30,9 @@ class Outcome:
     verdict: Verdict
     charge: Charge
     run_id: str
+    # Passed, but counts only once a person approves it (Verdict.needs_approval): logged as
+    # failing the `approval` gate until the flow records the decision (flows/approval.py).
+    held: bool = False
 
 
 def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape] = ()) -> dict[str, Job]:
@@ -109,8 +113,14 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
         tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
         raise
-    tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
-    return Outcome(candidate, verdict, charge, run_id)
+    held = verdict.needs_approval
+    if not held:
+        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
+        return Outcome(candidate, verdict, charge, run_id)
+    waiting = copy.deepcopy(verdict)
+    waiting.gate("approval", False, f"waiting for a person's approval ({', '.join(held)})")
+    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate), {"approval": "waiting"})
+    return Outcome(candidate, verdict, charge, run_id, held=True)
 
 
 @task(name="time-held-out", cache_policy=NO_CACHE)
@@ -132,6 +142,8 @@ def _template_source(candidate: Candidate) -> str | None:
 
 def one_line(o: Outcome) -> str:
     v = o.verdict
+    if o.held:
+        return f"waits for approval ({', '.join(v.needs_approval)}); score {v.score() or 0:.3g}x if approved"
     if v.status == PASS:
         score = v.score()
         timing = "" if v.gpu_timing else " (CPU interpreter: timings say nothing about a GPU)"

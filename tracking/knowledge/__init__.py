@@ -4,9 +4,9 @@ published leave it, to warm-start a search on another target (`warm_points`), in
 prompt (`published_for`) or an agent's search (`search`)."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from proposers.base import point_key
 from tracking.knowledge.entries import DRAFT, PUBLISHED, RETIRED, STATES, Entry, KnowledgeBase
 from tracking.schema import RunScope
 
@@ -44,5 +44,5 @@ def warm_points(op: str, template: str, scope: RunScope,
     entries.sort(key=lambda e: (e.gpu_class != scope.gpu_class, -e.score, e.id))
     out: dict[str, tuple[dict[str, Any], list[str]]] = {}
     for e in entries:
-        out.setdefault(point_key(e.winner["point"]), (e.winner["point"], []))[1].append(e.id)
+        out.setdefault(json.dumps(e.winner["point"], sort_keys=True), (e.winner["point"], []))[1].append(e.id)
     return list(out.values())
