@@ -46,6 +46,10 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
         g.add_argument("--prefill-tokens", type=ints, help="e.g. 2048,16384")
         g.add_argument("--contexts", type=ints, help="attention context lengths, e.g. 4096,32768")
         g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
+        g.add_argument("--approval-rtol", type=float, help="a looser tolerance: a candidate over --rtol but within "
+                       "this waits for a person's approval in the Prefect UI (default: none, it fails)")
+        g.add_argument("--approval-timeout", type=float, default=86400.0,
+                       help="seconds a candidate waits for approval before it is rejected (default 86400)")
         g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
     g.add_argument("--stage-timeout", type=float, default=600.0, help="seconds one stage may run")
 
@@ -58,8 +62,8 @@ def validated(model, data: dict, what: str):
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise UsageError(f"bad {what}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        where = "".join(f"{x}: " for x in [".".join(str(x) for x in err["loc"])] if x)  # none: the whole model's
+        raise UsageError(f"bad {what}: {where}{err['msg'].removeprefix('Value error, ')}") from None
 
 
 def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
@@ -71,7 +75,8 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
                        "max_tokens_total": getattr(args, "max_tokens_total", None),
                        "max_usd": getattr(args, "max_usd", None)}}
     if hasattr(args, "rtol"):  # the kernel options (add_target_options)
-        data |= {"rtol": args.rtol, "seeds": args.seeds}
+        data |= {"rtol": args.rtol, "seeds": args.seeds, "approval_rtol": args.approval_rtol,
+                 "approval_timeout_s": args.approval_timeout}
         workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")
                     if getattr(args, k) is not None}
         if workload:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import sys
 
-from cli import engine, gauntlet, mcp, op, pool, serve
+from cli import engine, gauntlet, kb, mcp, op, pool, serve
 from cli.args import USAGE_ERROR, Parser, UsageError
 from tracking.errors import TrackingStoreError
 
-GROUPS = (op, mcp, gauntlet, pool, serve, engine)
+GROUPS = (op, kb, mcp, gauntlet, pool, serve, engine)
 
 
 def _prefect_unreachable(e: BaseException) -> str | None:

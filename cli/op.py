@@ -75,7 +75,7 @@ def cmd_optimize(args) -> int:
 
     open_store()
     result = optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
-                         pool=pool, llm=llm)
+                         pool=pool, llm=llm, warm_start=args.warm_start)
     if result["endpoint_down"]:
         print(f"infersmith: proposing stopped: {result['endpoint_down']}; the {int(result['candidates'])} "
               f"candidates judged are in MLflow (run {result['parent_run_id']})", file=sys.stderr)
@@ -155,6 +155,8 @@ def add_commands(sub) -> None:
     o.add_argument("--max-tokens-total", type=int, help="stop before the proposer's tokens would pass N")
     o.add_argument("--max-usd", type=float, help="stop before the dollars spent (tokens and GPU time) would pass X")
     o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
+    o.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                   help="start cold: not from the winners of other targets' published knowledge entries")
     add_target_options(o)
     add_llm_options(o)
     o.set_defaults(fn=cmd_optimize)

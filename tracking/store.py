@@ -18,10 +18,8 @@ from tracking.errors import TrackingStoreError
 
 
 def home() -> Path:
-    """The tracking home: INFERSMITH_HOME, or ./.infersmith (created)."""
-    path = Path(os.environ.get("INFERSMITH_HOME", ".infersmith")).resolve()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """The tracking home: INFERSMITH_HOME, or ./.infersmith."""
+    return Path(os.environ.get("INFERSMITH_HOME", ".infersmith")).resolve()
 
 
 @dataclass(frozen=True)
@@ -35,6 +33,7 @@ class TrackingConfig:
         if uri:
             return cls(uri=uri, artifact_root=None)
         where = home()
+        where.mkdir(parents=True, exist_ok=True)
         return cls(uri=f"sqlite:///{where / 'mlflow.db'}", artifact_root=(where / "artifacts").as_uri())
 
 

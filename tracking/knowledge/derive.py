@@ -12,7 +12,7 @@ from mlflow.entities import Run
 
 from tracking.history import flags, search
 from tracking.knowledge.entries import DRAFT, Entry, KnowledgeBase, now
-from tracking.schema import T, RunScope, Tracker
+from tracking.schema import RunScope, T, Tracker
 
 VERIFIED = ("pass", "fail", "crash")
 
