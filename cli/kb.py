@@ -32,28 +32,13 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _get(entry_id: str):
-    from tracking.errors import KnowledgeError
-
-    try:
-        return _kb().get(entry_id)
-    except KnowledgeError as e:
-        raise UsageError(str(e)) from None
-
-
 def cmd_show(args) -> int:
-    print(_get(args.id).text(), end="")
+    print(_kb().get(args.id).text(), end="")
     return 0
 
 
 def _move(args, state: str) -> int:
-    from tracking.errors import KnowledgeError
-
-    _get(args.id)
-    try:
-        changed = _kb().move(args.id, state, args.by, args.note)
-    except KnowledgeError as e:
-        raise UsageError(str(e)) from None
+    changed = _kb().move(args.id, state, args.by, args.note)
     print(f"{changed[0].id}: {state} by {args.by}")
     for e in changed[1:]:
         print(f"{e.id}: retired (superseded by {changed[0].id})")
@@ -83,16 +68,28 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _one_line(fn):
+    """An entry file a person broke by hand, like a bad id, is one line and exit 2."""
+    def run(args) -> int:
+        from tracking.errors import KnowledgeError
+
+        try:
+            return fn(args)
+        except KnowledgeError as e:
+            raise UsageError(str(e)) from None
+    return run
+
+
 def add_commands(sub) -> None:
     kb = sub.add_parser("kb", help="the knowledge base: list, show, publish, retire, export entries")
     kb_sub = kb.add_subparsers(dest="kb_command", required=True, parser_class=Parser)
     ls = kb_sub.add_parser("list", help="entries, their state, score and winning idea")
     ls.add_argument("--op", help="only this op's entries")
     ls.add_argument("--state", choices=["draft", "published", "retired"], help="only entries in this state")
-    ls.set_defaults(fn=cmd_list)
+    ls.set_defaults(fn=_one_line(cmd_list))
     sh = kb_sub.add_parser("show", help="an entry's file: front matter and text")
     sh.add_argument("id")
-    sh.set_defaults(fn=cmd_show)
+    sh.set_defaults(fn=_one_line(cmd_show))
     for name, fn, what in (("publish", cmd_publish, "publish a draft: prompts and warm starts may use it; the "
                                                    "entry published before on its subject is retired"),
                            ("retire", cmd_retire, "retire a draft or published entry: nothing uses it any more")):
@@ -100,8 +97,8 @@ def add_commands(sub) -> None:
         c.add_argument("id")
         c.add_argument("--by", default=getpass.getuser(), help="who decides (default: this user)")
         c.add_argument("--note", default="", help="why, kept in the entry's history")
-        c.set_defaults(fn=fn)
+        c.set_defaults(fn=_one_line(fn))
     ex = kb_sub.add_parser("export", help="copy entries into a directory (a repository's folder)")
     ex.add_argument("dir")
     ex.add_argument("--state", action="append", help="entries in this state (repeatable; default published)")
-    ex.set_defaults(fn=cmd_export)
+    ex.set_defaults(fn=_one_line(cmd_export))

@@ -71,6 +71,14 @@ def cmd_optimize(args) -> int:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     llm = llm_settings(args, target) if args.proposer == "llm" else None
     pool, _ = pool_with(args.pool, target.gpu_class)
+    if args.warm_start:  # an entry file broken by hand is one line now, not a failed flow later
+        from tracking.errors import KnowledgeError
+        from tracking.knowledge import KnowledgeBase
+
+        try:
+            KnowledgeBase.from_env().entries()
+        except KnowledgeError as e:
+            raise UsageError(f"{e} (fix it, or start cold with --no-warm-start)") from None
     from flows.optimize_op import optimize_op
 
     open_store()

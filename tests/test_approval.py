@@ -47,7 +47,7 @@ def next_pause(client, seen: set[str], within_s: float):
 def test_the_flow_pauses_for_a_person_and_logs_the_decision(prefect_server, tmp_path, monkeypatch):
     monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    target = Target(**NEAR, approval_timeout_s=30, budget={"candidates": 3})
+    target = Target(**NEAR, approval_timeout_s=20, budget={"candidates": 3})
     done: list = []
     ctx = contextvars.copy_context()  # the test server's settings, in the flow's thread too
     flow = threading.Thread(target=lambda: done.append(ctx.run(optimize_op, op="silu_mul", target=target,

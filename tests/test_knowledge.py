@@ -100,6 +100,11 @@ def test_kb_commands(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "out" / f"{made.id}.md").is_file()
     assert main(["kb", "retire", made.id, "--by", "bob"]) == 0
     assert KnowledgeBase.from_env().get(made.id).state == RETIRED
+    capsys.readouterr()
+    (kb.root / "hand-edited-1.md").write_text("---\nstate: published\nop: [unclosed\n---\n")
+    assert main(["kb", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "hand-edited-1.md: front matter is not YAML" in err and len(err.strip().splitlines()) == 1
 
 
 def _children(tracker: Tracker, op: str, parent: str):
@@ -108,7 +113,7 @@ def _children(tracker: Tracker, op: str, parent: str):
 
 
 def test_an_optimization_drafts_entries_and_published_ones_start_the_next_preset(
-        prefect_server, tmp_path, monkeypatch, capsys):
+        prefect_server, tmp_path, monkeypatch):
     monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first = optimize_op(op="rmsnorm", target=Target(model="tiny", dtype="fp32", budget={"candidates": 2}),
@@ -132,7 +137,6 @@ def test_an_optimization_drafts_entries_and_published_ones_start_the_next_preset
     assert {i for _, ids in warm for i in ids} == {e.id for e in drafts}
     second = optimize_op(op="rmsnorm", target=Target(model="tiny-moe", dtype="fp32",
                                                      budget={"candidates": len(warm)}), proposer="tpe", seed=4)
-    assert "warm start" in capsys.readouterr().out
     started = _children(tracker, "rmsnorm", second["parent_run_id"])
     assert [r.data.tags[f"{T}proposer"] for r in started] == [KNOWLEDGE] * len(warm)
     assert [r.data.tags[f"{T}knowledge"].split(",") for r in started] == [ids for _, ids in warm]

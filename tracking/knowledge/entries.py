@@ -77,11 +77,17 @@ class Entry:
         end = next((i for i, line in enumerate(lines[1:], 1) if line == "---"), None)
         if lines[0] != "---" or end is None:
             raise KnowledgeError(f"{where}: no YAML front matter between --- lines")
-        meta = yaml.safe_load("\n".join(lines[1:end])) or {}
+        try:
+            meta = yaml.safe_load("\n".join(lines[1:end])) or {}
+        except yaml.YAMLError as e:
+            raise KnowledgeError(f"{where}: front matter is not YAML ({str(e).splitlines()[0]})") from None
         known = {f.name for f in fields(cls)} - {"body"}
         if not isinstance(meta, dict) or set(meta) - known or meta.get("state") not in STATES:
             raise KnowledgeError(f"{where}: front matter is not a knowledge entry")
-        return cls(**meta, body="\n".join(lines[end + 1:]))
+        try:
+            return cls(**meta, body="\n".join(lines[end + 1:]))
+        except TypeError as e:  # a field missing
+            raise KnowledgeError(f"{where}: {e}") from None
 
 
 class KnowledgeBase:
@@ -107,28 +113,32 @@ class KnowledgeBase:
                                  + (f"; did you mean {', '.join(near)}?" if near else "; `infersmith kb list` shows them"))
         return Entry.parse(path.read_text(), str(path))
 
-    def save(self, entry: Entry) -> None:
+    def _written(self, entry: Entry) -> str:
+        """The entry in a temporary file beside the others (not *.md, so no reader lists it)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".md")
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".part")
         with os.fdopen(fd, "w") as f:
             f.write(entry.text())
-        os.replace(tmp, self.root / f"{entry.id}.md")
+        return tmp
+
+    def save(self, entry: Entry) -> None:
+        os.replace(self._written(entry), self.root / f"{entry.id}.md")
 
     def add(self, entry: Entry) -> Entry:
         """Give a new entry the next free revision of its prefix, and write it."""
-        self.root.mkdir(parents=True, exist_ok=True)
         pattern = re.compile(re.escape(entry.prefix) + r"-(\d+)\.md$")
         rev = max((int(m[1]) for p in self.root.glob("*.md") if (m := pattern.match(p.name))), default=0)
         while True:
             rev += 1
-            try:  # O_EXCL: a flow writing the same prefix at once takes the next revision
-                os.close(os.open(self.root / f"{entry.prefix}-{rev}.md", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                break
+            entry.id = f"{entry.prefix}-{rev}"
+            tmp = self._written(entry)
+            try:  # a hard link is made whole or not at all, and never over another flow's revision
+                os.link(tmp, self.root / f"{entry.id}.md")
+                return entry
             except FileExistsError:
                 continue
-        entry.id = f"{entry.prefix}-{rev}"
-        self.save(entry)
-        return entry
+            finally:
+                os.unlink(tmp)
 
     def move(self, entry_id: str, state: str, by: str, note: str = "") -> list[Entry]:
         """Publish or retire an entry; publishing retires the entry published before on its subject.
