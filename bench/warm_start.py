@@ -28,6 +28,7 @@ def optimize(home: Path, op: str, model: str, budget: int, seed: int, warm_start
     from tracking.store import TrackingConfig
 
     os.environ["INFERSMITH_HOME"] = str(home)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # a store of its own: a shared one would share history
     result = optimize_op(op=op, target=Target(model=model, budget={"candidates": budget, "plateau": budget}),
                          proposer="tpe", seed=seed, warm_start=warm_start)
     runs = [r for r in search(Tracker(TrackingConfig.from_env()), op)
@@ -87,7 +88,7 @@ def main() -> None:
 
 
 def _x(score: float | None) -> str:
-    return f"{score:.3f}x" if score is not None else "-"
+    return f"{score:.3g}x" if score is not None else "-"
 
 
 if __name__ == "__main__":
