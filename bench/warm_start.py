@@ -3,14 +3,17 @@ candidates the warm run needs to reach the cold run's best score, with the same 
 same GPU. Prints a markdown table (docs/BENCHMARKS.md's), one row per op and seed.
 
 Each run has a tracking home of its own under --home, so no run sees another's history:
-  source/  an optimization on --source; its draft entries are then published
-  cold/    --target, TPE without a warm start
-  warm/    --target, TPE started from the source's published entries (copied in)
+  <op>/source/   an optimization on --source; its draft entries are then published
+  <op>/cold-S/   --target, TPE with seed S, without a warm start
+  <op>/warm-S/   --target, TPE with seed S, started from the source's published entries (copied in)
+A finished run leaves scores.json in its home and is not run again: a command cut short by a time
+limit goes on where it stopped when called again (an unfinished run starts over); --fresh forgets.
 Run from the repo root: python3 bench/warm_start.py [--ops rmsnorm,silu_mul] [--budget 16] ...
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from pathlib import Path
@@ -37,12 +40,24 @@ def optimize(home: Path, op: str, model: str, budget: int, seed: int, warm_start
     return [r.data.metrics.get("score") if r.data.tags.get(f"{T}status") == "pass" else None for r in runs]
 
 
-def publish_all(home: Path, op: str) -> list[str]:
-    from tracking.knowledge import KnowledgeBase
+def run(home: Path, op: str, model: str, budget: int, seed: int, warm_from: Path | None = None,
+        publish: bool = False) -> list[float | None]:
+    """optimize() once per home: a finished run's scores are read back from its scores.json."""
+    done = home / "scores.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    shutil.rmtree(home, ignore_errors=True)
+    if warm_from is not None:
+        shutil.copytree(warm_from / "knowledge", home / "knowledge")
+    scores = optimize(home, op, model, budget, seed, warm_start=warm_from is not None)
+    if publish:
+        from tracking.knowledge import KnowledgeBase
 
-    kb = KnowledgeBase(home / "knowledge")
-    return [kb.move(e.id, "published", by="bench", note="warm-start benchmark")[0].id
-            for e in kb.entries("draft", op)]
+        kb = KnowledgeBase(home / "knowledge")
+        for e in kb.entries("draft", op):
+            kb.move(e.id, "published", by="bench", note="warm-start benchmark")
+    done.write_text(json.dumps(scores))
+    return scores
 
 
 def reached(scores: list[float | None], best: float) -> int | None:
@@ -57,23 +72,25 @@ def main() -> None:
     p.add_argument("--target", default="qwen3-1.7b", help="model preset both runs optimize")
     p.add_argument("--budget", type=int, default=16, help="candidates of every run")
     p.add_argument("--seeds", default="0", help="comma-separated proposer seeds: one cold and one warm run each")
-    p.add_argument("--home", default="/tmp/infersmith-warm-start", help="the runs' tracking homes (emptied)")
+    p.add_argument("--home", default="/tmp/infersmith-warm-start", help="the runs' tracking homes")
+    p.add_argument("--fresh", action="store_true", help="forget the finished runs under --home first")
     args = p.parse_args()
     root = Path(args.home)
-    shutil.rmtree(root, ignore_errors=True)
+    if args.fresh:
+        shutil.rmtree(root, ignore_errors=True)
     import torch
+
+    from tracking.knowledge import KnowledgeBase
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (interpreter: says nothing of a GPU)"
     rows = []
     for op in args.ops.split(","):
         source = root / op / "source"
-        optimize(source, op, args.source, args.budget, 0, warm_start=False)
-        published = publish_all(source, op)
+        run(source, op, args.source, args.budget, 0, publish=True)
+        published = KnowledgeBase(source / "knowledge").entries("published", op)
         for seed in (int(s) for s in args.seeds.split(",")):
-            cold = optimize(root / op / f"cold-{seed}", op, args.target, args.budget, seed, warm_start=False)
-            warm_home = root / op / f"warm-{seed}"
-            shutil.copytree(source / "knowledge", warm_home / "knowledge")
-            warm = optimize(warm_home, op, args.target, args.budget, seed, warm_start=True)
+            cold = run(root / op / f"cold-{seed}", op, args.target, args.budget, seed)
+            warm = run(root / op / f"warm-{seed}", op, args.target, args.budget, seed, warm_from=source)
             cold_best = max((s for s in cold if s is not None), default=None)
             warm_best = max((s for s in warm if s is not None), default=None)
             rows.append([op, seed, len(published), _x(cold_best), reached(cold, cold_best) if cold_best else "-",
