@@ -24,7 +24,7 @@ from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
 from tracking.history import board, ceilings, trials
-from tracking.knowledge import KnowledgeBase, warm_points
+from tracking.knowledge import KnowledgeBase, published_for, warm_points
 from tracking.knowledge.derive import write_drafts
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
@@ -215,7 +215,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     progress = Progress(target)
     held_out = target.held_out_shapes(spec)
     passed: list[Outcome] = []
-    coder = LLMProposer(op, target, llm) if llm else None
+    coder = LLMProposer(op, target, llm, [e.body for e in published_for(op, scope.gpu_class, kb)]) if llm else None
     orphans = tracker.orphaned_pending(scope, kind)
     if orphans:
         print(f"re-queueing {len(orphans)} candidates a stopped flow left pending")

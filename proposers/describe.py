@@ -78,6 +78,9 @@ class OpDescription:
     best: list[Tried]
     failures: list[Tried]
     tried: int  # trials in the history, pending ones included
+    # Published knowledge entries for the op and the pool's GPU class (tracking.knowledge
+    # .published_for): their text. A draft never gets here.
+    knowledge: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,9 +118,10 @@ def last_failures(history: Sequence[Trial], n: int) -> list[Trial]:
 
 
 def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: Ceilings | None = None,
-             top: int = 3, failures: int = 5) -> OpDescription:
-    """The description of `op_name` for `target`, given every trial tracking holds for them and the
-    ceilings of the pool's GPU class (None where none were measured yet)."""
+             top: int = 3, failures: int = 5, knowledge: Sequence[str] = ()) -> OpDescription:
+    """The description of `op_name` for `target`, given every trial tracking holds for them, the
+    ceilings of the pool's GPU class (None where none were measured yet) and the text of the
+    published knowledge entries for the op and that class."""
     op = get_op(op_name)
     w, dtype = target.workload, DTYPES[target.dtype]
     shapes = []
@@ -136,7 +140,7 @@ def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: C
         template_space=dict(template.space), template_default=dict(template.default),
         best=[_tried(t, labels) for t in best_passed(history, top)],
         failures=[_tried(t, labels) for t in last_failures(history, failures)],
-        tried=len(history))
+        tried=len(history), knowledge=list(knowledge))
 
 
 def _fence(code: str) -> str:
@@ -188,6 +192,9 @@ def render_op(d: OpDescription) -> str:
     out += ["", f"## Starting point: template `{d.template}`",
             f"`build(**point)` returns the op's function. Space: {json.dumps(d.template_space)}; "
             f"default {json.dumps(d.template_default)}.", _fence(d.template_source), ""]
+    if d.knowledge:
+        out += ["## Published knowledge: what won before, and what failed (reviewed by a person)", "",
+                *d.knowledge, ""]
     return "\n".join(out) + "\n"
 
 

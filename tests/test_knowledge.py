@@ -10,6 +10,7 @@ from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from flows.optimize_op import optimize_op
 from proposers import make_proposer
 from proposers.base import KNOWLEDGE
+from proposers.describe import describe, render
 from targets import Target
 from tracking.errors import KnowledgeError
 from tracking.history import search as runs_of
@@ -80,6 +81,18 @@ def test_only_published_entries_leave_the_knowledge_base(tmp_path):
     exported = kb.export(tmp_path / "repo" / "knowledge")
     assert [p.name for p in exported] == [f"{second.id}.md"]
     assert exported[0].read_text().startswith("---\n") and "state: published" in exported[0].read_text()
+
+
+def test_only_published_entries_reach_a_prompt(tmp_path):
+    kb = KnowledgeBase(tmp_path / "kb")
+    published, draft = kb.add(entry(P1)), kb.add(entry(P2, shape_class="prefill"))
+    published.body, draft.body = "PUBLISHED: rows of 512\n", "DRAFT: rows of 1024\n"
+    kb.save(published)
+    kb.save(draft)
+    kb.move(published.id, PUBLISHED, by="ada")
+    bodies = [e.body for e in published_for("rmsnorm", "cpu", kb)]
+    prompt = render(describe("rmsnorm", Target(model="tiny"), [], knowledge=bodies))
+    assert "PUBLISHED: rows of 512" in prompt and "DRAFT" not in prompt
 
 
 def test_kb_commands(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,8 @@
 """The LLM proposer: the op description (proposers/describe.py) in, one free-candidate module out.
 
 Call order:
-  1. `LLMProposer(op, target, settings)` once per optimization (cheap; no I/O).
+  1. `LLMProposer(op, target, settings, knowledge)` once per optimization (cheap; no I/O);
+     `knowledge`: the text of the published knowledge entries for the op and GPU class.
   2. `propose(history, ceilings)` once per free pool slot, from as many threads at once. `history`
      is every trial of this op, target and GPU class that tracking knows of, templates' and free
      candidates' alike, pending ones included; `ceilings` the class's, where measured.
@@ -55,13 +56,13 @@ class Proposal:
 
 
 class LLMProposer:
-    def __init__(self, op: str, target: Target, settings: LLMSettings):
-        self.op, self.target, self.settings = op, target, settings
+    def __init__(self, op: str, target: Target, settings: LLMSettings, knowledge: Sequence[str] = ()):
+        self.op, self.target, self.settings, self.knowledge = op, target, settings, list(knowledge)
 
     def messages(self, history: Sequence[Trial], ceilings: Ceilings | None) -> tuple[str, str, str]:
         """System prompt, the part of the user message that stays the same through an
         optimization, and the part that grows with the history."""
-        d = describe(self.op, self.target, history, ceilings)
+        d = describe(self.op, self.target, history, ceilings, knowledge=self.knowledge)
         return SYSTEM.format(signature=d.signature), render_op(d), render_history(d)
 
     def propose(self, history: Sequence[Trial], ceilings: Ceilings | None = None) -> Proposal:
