@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
-from collections import defaultdict
 from typing import Literal
 
 from prefect import flow
@@ -15,6 +13,7 @@ from contract.job import Candidate, Shape
 from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
 from flows import approval
+from flows.progress import Progress
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
@@ -38,82 +37,6 @@ def scope_for(op: str, target: Target, pool: Pool) -> RunScope:
     if not classes:
         raise ValueError(f"the pool has no host of GPU class {target.gpu_class!r}")
     return RunScope(op, target.model, target.key(), classes.pop() if len(classes) == 1 else "mixed")
-
-
-class Progress:
-    """Stop rules and the running best: budget, wall clock, plateau, tokens, dollars."""
-
-    def __init__(self, target: Target):
-        self.budget, self.started = target.budget, time.monotonic()
-        self.done, self.passed, self.best, self.since_best = 0, 0, None, 0
-        self.gpu_seconds = self.usd = 0.0
-        self.host_seconds: dict[str, float] = defaultdict(float)
-        self.proposals, self.tokens = 0, Charge()  # what the proposer's replies cost, as they come
-
-    def spend(self, charge: Charge) -> None:
-        """A proposer's reply and its cost: counted when it arrives, judged or not."""
-        self.proposals += 1
-        for k in ("input_tokens", "cached_input_tokens", "output_tokens", "proposer_usd"):
-            setattr(self.tokens, k, getattr(self.tokens, k) + getattr(charge, k))
-
-    @property
-    def total_usd(self) -> float:
-        return self.usd + self.tokens.proposer_usd
-
-    def record(self, o: Outcome) -> None:
-        self.done += 1
-        self.spent(o.charge)
-        score = o.verdict.score()
-        if score is not None:
-            self.passed += 1
-        if score is not None and (self.best is None or score > self.best * 1.01):
-            self.best, self.since_best = score, 0
-        else:
-            self.since_best += 1
-
-    def spent(self, charge: Charge) -> None:
-        """GPU time held for this run: a candidate's, or a timing on the held-out shapes."""
-        self.gpu_seconds += charge.gpu_seconds
-        self.usd += charge.usd
-        if charge.host:  # a malformed reply held no host
-            self.host_seconds[charge.host] += charge.gpu_seconds
-
-    def may_launch(self, in_flight: int, proposing: int = 0) -> bool:
-        return self.stop_reason(proposing) is None and self.done + in_flight < self.budget.candidates
-
-    def stop_reason(self, proposing: int = 0) -> str | None:
-        """Why nothing more may start, or None. `proposing`: replies awaited, which will cost
-        about what the replies so far did, each."""
-        b = self.budget
-        ahead = proposing + 1
-        if b.max_tokens_total is not None and self.proposals:
-            each = self.tokens.proposer_tokens / self.proposals
-            if self.tokens.proposer_tokens + ahead * each > b.max_tokens_total:
-                return (f"token budget of {b.max_tokens_total:,}: {self.tokens.proposer_tokens:,} spent, and another "
-                        f"reply (about {each:,.0f} tokens each so far) would pass it")
-        if b.max_usd is not None and (self.proposals or self.done):
-            each = self.tokens.proposer_usd / max(self.proposals, 1) + self.usd / max(self.done, 1)
-            if self.total_usd + ahead * each > b.max_usd:
-                return (f"$ budget of {b.max_usd:g}: ${self.total_usd:.4f} spent, and another candidate (about "
-                        f"${each:.4f} each so far) would pass it")
-        if self.done >= self.budget.candidates:
-            return f"budget of {self.budget.candidates} candidates spent"
-        elapsed = time.monotonic() - self.started
-        if elapsed > self.budget.wall_clock_s:
-            return f"wall-clock budget of {self.budget.wall_clock_s:g} s spent"
-        if self.done and elapsed + self.gpu_seconds / self.done > self.budget.wall_clock_s:
-            return (f"wall-clock budget of {self.budget.wall_clock_s:g} s: another candidate (about "
-                    f"{self.gpu_seconds / self.done:.0f} s each so far) would end after it")
-        if self.since_best >= self.budget.plateau:
-            return f"plateau: {self.since_best} candidates without a 1% better score"
-        return None
-
-    def metrics(self) -> dict[str, float]:
-        m = {"candidates": self.done, "passed": self.passed, "gpu_seconds": self.gpu_seconds,
-             "cost_usd": self.usd, "total_usd": self.total_usd, "wall_s": time.monotonic() - self.started}
-        m |= self.tokens.token_metrics()
-        m |= {f"gpu_seconds/{host}": v for host, v in self.host_seconds.items()}
-        return m | ({"best_score": self.best} if self.best is not None else {})
 
 
 def flow_seed(seed: int) -> int:
