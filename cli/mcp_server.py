@@ -94,14 +94,30 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
     def describe_op(op: str) -> str:
         """Everything needed to write a candidate for `op`, as Markdown: signature, reference, the
         baseline, how inputs are built, the shapes timed with their bytes, FLOPs and roofline, the
-        GPU's ceilings, the template to start from, the best passed candidates and the last failures."""
+        GPU's ceilings, the template to start from, the published knowledge for the op and the pool's
+        GPU class, the best passed candidates and the last failures."""
         from proposers.describe import describe, render
+        from tracking.knowledge import published_for
 
         fitting(op)
         tracker = Tracker(TrackingConfig.from_env())
         scope = scope_for(op, target, pool)
         return render(describe(op, target, trials(tracker, scope, None),
-                               ceilings(tracker, scope.gpu_class, target.dtype)))
+                               ceilings(tracker, scope.gpu_class, target.dtype),
+                               knowledge=[e.body for e in published_for(op, scope.gpu_class)]))
+
+    @server.tool()
+    def search_knowledge(query: str, op: str | None = None) -> list[dict[str, Any]]:
+        """Published knowledge entries (what won for an op, shape class, GPU class and target, its
+        margin over torch.compile, the gates that stopped other candidates), those holding the most
+        of the query's words first; every published entry of `op` for an empty query."""
+        from tracking.knowledge import search
+
+        if op is not None and op not in OPS:
+            raise ToolError(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}")
+        return [{"id": e.id, "op": e.op, "shape_class": e.shape_class, "gpu_class": e.gpu_class, "target": e.target,
+                 "score": e.score, "speedup_vs_compile": e.vs_compile, "failures": e.failures, "text": e.body}
+                for e in search(query, op)]
 
     @server.tool()
     def evaluate(op: str, source: str, ctx: Context, input_tokens: TokenCount = 0,

@@ -59,7 +59,7 @@ def test_an_agent_lists_describes_evaluates_and_reads_the_leaderboard(prefect_se
         return tools, ops, described, unknown, passed, failed, board
 
     tools, ops, described, unknown, passed, failed, board = anyio.run(_session, tmp_path, calls)
-    assert tools == {"list_ops", "describe_op", "evaluate", "leaderboard"}
+    assert tools == {"list_ops", "describe_op", "evaluate", "leaderboard", "search_knowledge"}
     assert {o["op"]: o["fits_target"] for o in ops}["fused_moe"] is False  # tiny is dense
     assert "rmsnorm(x, weight, eps)" in described and "decode_b4" in described
     assert unknown.is_error and "unknown op 'nope'" in unknown.content[0].text
@@ -112,3 +112,30 @@ def test_bad_options_are_one_line_and_exit_2_before_serving(argv, message):
                           timeout=120, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)}, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_an_agent_reads_published_knowledge_and_never_a_draft(prefect_server, tmp_path):
+    from tracking.knowledge import PUBLISHED, Entry, KnowledgeBase
+
+    kb = KnowledgeBase(tmp_path / "knowledge")
+
+    def add(shape_class: str, body: str) -> Entry:
+        return kb.add(Entry(
+            op="rmsnorm", shape_class=shape_class, gpu_class="cpu", target="tiny/bf16/d1-4/p40/c48", model="tiny",
+            dtype="bf16", shapes=[f"{shape_class}_1"], score=1.2, vs_compile=None, vs_eager=1.2, gpu_timing=False,
+            device="cpu", failures={"accuracy": 1}, runs=["r1"], body=body,
+            winner={"candidate_id": "c1", "kind": "template", "template": "rows", "point": {"block_n": 512},
+                    "source_sha256": "", "proposer": "tpe", "summary": "", "run_id": "r1"}))
+
+    published = add("decode", "PUBLISHED: two rows a program\n")
+    add("prefill", "DRAFT: not reviewed yet\n")
+    kb.move(published.id, PUBLISHED, by="ada")
+
+    async def calls(s):
+        found = _data(await s.call_tool("search_knowledge", {"query": "rows", "op": "rmsnorm"}))
+        return found, await s.call_tool("describe_op", {"op": "rmsnorm"})
+
+    found, described = anyio.run(_session, tmp_path, calls)
+    assert [e["id"] for e in found] == [published.id] and found[0]["text"].startswith("PUBLISHED")
+    text = described.content[0].text
+    assert "PUBLISHED: two rows a program" in text and "DRAFT" not in text
