@@ -151,6 +151,7 @@ def test_a_store_that_refuses_to_create_an_experiment_is_one_line_naming_why(tmp
     from mlflow.tracking import MlflowClient
 
     MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").search_experiments()  # a store, made
+    monkeypatch.chdir(tmp_path)  # MLflow reads the read-only URI as a path too, and makes a `file:` folder
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///file:{tmp_path / 'mlflow.db'}?mode=ro&uri=true")
     before = mlflow.get_tracking_uri()
     try:
