@@ -7,7 +7,7 @@ from collections import defaultdict
 from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
@@ -21,6 +21,8 @@ from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
+from tracking.charts import log_optimization_charts
+from tracking.cost import Cost, per_gain, per_gain_text
 from tracking.history import board, ceilings, trials
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
@@ -42,6 +44,7 @@ class Progress:
     def __init__(self, target: Target):
         self.budget, self.started = target.budget, time.monotonic()
         self.done, self.passed, self.best, self.since_best = 0, 0, None, 0
+        self.top: float | None = None  # the best score, where `best` moves only on a 1% gain
         self.gpu_seconds = self.usd = 0.0
         self.host_seconds: dict[str, float] = defaultdict(float)
         self.proposals, self.tokens = 0, Charge()  # what the proposer's replies cost, as they come
@@ -62,6 +65,7 @@ class Progress:
         score = o.verdict.score()
         if score is not None:
             self.passed += 1
+            self.top = score if self.top is None else max(self.top, score)
         if score is not None and (self.best is None or score > self.best * 1.01):
             self.best, self.since_best = score, 0
         else:
@@ -104,12 +108,16 @@ class Progress:
             return f"plateau: {self.since_best} candidates without a 1% better score"
         return None
 
+    @property
+    def cost(self) -> Cost:
+        """GPU time as the candidates ran, the proposer's tokens as its replies came."""
+        return Cost(self.gpu_seconds, self.usd, float(self.tokens.proposer_tokens), self.tokens.proposer_usd)
+
     def metrics(self) -> dict[str, float]:
-        m = {"candidates": self.done, "passed": self.passed, "gpu_seconds": self.gpu_seconds,
-             "cost_usd": self.usd, "total_usd": self.total_usd, "wall_s": time.monotonic() - self.started}
-        m |= self.tokens.token_metrics()
+        m = {"candidates": self.done, "passed": self.passed, "wall_s": time.monotonic() - self.started}
+        m |= self.cost.metrics() | self.tokens.token_metrics() | per_gain(self.cost, self.top)
         m |= {f"gpu_seconds/{host}": v for host, v in self.host_seconds.items()}
-        return m | ({"best_score": self.best} if self.best is not None else {})
+        return m | ({"best_score": self.top} if self.top is not None else {})
 
 
 def flow_seed(seed: int) -> int:
@@ -271,15 +279,33 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
     spent = f"; {progress.tokens.proposer_tokens:,} tokens, ${progress.tokens.proposer_usd:.4f}" if llm else ""
     print(f"stopped: {reason}. {progress.passed}/{progress.done} passed"
-          + (f"; best score {progress.best:.3g}x" if progress.best else "") + spent)
+          + (f"; best score {progress.top:.3g}x" if progress.top else "") + spent)
+    spend = f"spent {progress.cost.text()} on {progress.done} candidates; {per_gain_text(progress.cost, progress.top)}"
+    print(spend)
     create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
-                                      "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
-    tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
-                          {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
-                           "held_out.json": [s.to_dict() for s in held_out]})
-    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, **progress.metrics()}
+                                      "score first" + (f"; {left_out}" if ranked.fallbacks else "") + f". {spend}")
+    metrics = progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)}
+    summary(f"optimize {op}", target.key(), scope.gpu_class, reason, metrics, spend)
+    log_optimization_charts(tracker, parent, f"{op} {target.key()} ({scope.gpu_class})")
+    tracker.finish_parent(parent, metrics, {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
+                                            "held_out.json": [s.to_dict() for s in held_out]})
+    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, **metrics}
+
+
+def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str) -> None:
+    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought."""
+    def row(name: str) -> str:
+        return f"| {name} | {f'{metrics[name]:.4g}' if name in metrics else '-'} |"
+
+    lines = [f"## {what}: {target_key} ({gpu_class})", "", f"Stopped: {reason}.", "", spend, "",
+             "| metric | value |", "| --- | --- |"]
+    lines += [row(n) for n in ("candidates", "passed", "best_score", "gpu_hours", "cost_usd", "proposer_tokens",
+                               "proposer_usd", "total_usd", "reference_gpu_hours", "baseline_gpu_hours", "gain_pct",
+                               "usd_per_pct_gain", "gpu_hours_per_pct_gain")]
+    create_markdown_artifact("\n".join(lines), key=f"summary-{what.split()[-1].replace('_', '-')}",
+                             description=f"{what} on {target_key}: cost and cost per gain")
 
 
 if __name__ == "__main__":
