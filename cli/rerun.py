@@ -108,7 +108,7 @@ def cmd_revalidate(args) -> int:
         if r.get("rerun"):
             print(f"    now:  {r['now']}  (run {r['rerun']})")
     print(f"{result['regressed']} of {result['winners']} winners regressed; {result['rerun']} re-run, "
-          f"{result['gpu_hours']:.3g} GPU-h, ${result['cost_usd']:.2f}" if result["winners"]
+          f"{result['gpu_hours']:.3g} GPU-h, ${result['total_usd']:.2f}" if result["winners"]
           else "no winner to revalidate (passed, GPU-timed runs; --include-cpu for interpreter-timed ones)")
     return code
 

@@ -58,7 +58,7 @@ def cmd_leaderboard(args) -> int:
         note = "" if e.gpu_timing else " (interpreter timing)"
         held = _fmt(e.held_out) if e.held_out_status == "pass" else e.held_out_status or "-"
         print(f"{e.rank:>3}  {_fmt(e.score):>7}  {held:>8}  {_fmt(e.vs_eager):>8}  {_fmt(e.vs_compile):>10}  "
-              f"{_fmt(e.pct_roofline, '%'):>6}  {e.gpu_hours:>7.3g}  {_money(e.cost_usd):>7}  {e.device[:14]:<14}  "
+              f"{_fmt(e.pct_roofline, '%'):>6}  {e.gpu_hours:>7.3g}  {_money(e.total_usd):>7}  {e.device[:14]:<14}  "
               f"{e.label}  [{e.target}]{note}  {e.run_id}")
     if left_out:
         print(left_out)
@@ -81,7 +81,7 @@ def _engine_leaderboard(tracker, rows, model: str | None) -> int:
     print(f"{'#':>3}  {'score':>7}  {'worst':>7}  {'GPU-h':>7}  {'$':>7}  {'device':<14}  configuration  [target]  run")
     for e in rows:
         print(f"{e.rank:>3}  {_fmt(e.score):>7}  {_fmt(e.worst_vs_baseline):>7}  {e.gpu_hours:>7.3g}  "
-              f"{_money(e.cost_usd):>7}  {e.device[:14]:<14}  {e.label}  [{e.target}]  {e.run_id}")
+              f"{_money(e.total_usd):>7}  {e.device[:14]:<14}  {e.label}  [{e.target}]  {e.run_id}")
 
     def best(target: str, gpu_class: str) -> float | None:
         top = engine_board(tracker, 1, target=target, gpu_class=gpu_class or None)

@@ -36,7 +36,7 @@ def tracker(tmp_path, monkeypatch) -> Tracker:
 
 
 def charge(gpu_seconds: float, usd_per_hour: float, tokens: int = 0, proposer_usd: float = 0.0) -> Charge:
-    c = Charge(gpu_class="h200", proposer_tokens=tokens, proposer_usd=proposer_usd)
+    c = Charge(gpu_class="h200", input_tokens=tokens, proposer_usd=proposer_usd)
     c.add_stage("bench", gpu_seconds, usd_per_hour / 3600)
     return c
 
@@ -98,10 +98,10 @@ def test_per_target_spend_and_cost_per_gain_in_leaderboard_and_report(tracker, c
            "baseline: $0.162 and 0.04 GPU-h per 1%." in report(tracker, "rmsnorm")
 
     for parent, runs in ((first, 2), (second, 1)):
-        tracker.finish_parent(parent, {"gpu_seconds": 900.0 * (runs + 1), "gpu_usd": 0.9 * (runs + 1),
+        tracker.finish_parent(parent, {"gpu_seconds": 900.0 * (runs + 1), "cost_usd": 0.9 * (runs + 1),
                                        "proposer_tokens": 0.0, "proposer_usd": 0.0}, {})
     totals = sweep_totals(tracker, [first, second])
-    assert totals["gpu_hours"] == pytest.approx(1.25) and totals["cost_usd"] == pytest.approx(4.5)
+    assert totals["gpu_hours"] == pytest.approx(1.25) and totals["total_usd"] == pytest.approx(4.5)
     assert totals["optimizations"] == 2
 
 
@@ -118,8 +118,8 @@ def test_engine_leaderboard_counts_the_reference_and_baseline_and_charts_each_pa
     verdict = Verdict("engine", cand.id, device={"name": "NVIDIA H200", "torch": "2.9.0"})
     tracker.finish_engine_candidate(run_id, verdict, metrics, charge(1800.0, 3.6), None)
     # The flow's reference and baseline servers held two GPUs a quarter of an hour each: the flow's cost.
-    tracker.finish_parent(parent, {"reference_gpu_seconds": 900.0, "reference_gpu_usd": 0.9,
-                                   "baseline_gpu_seconds": 900.0, "baseline_gpu_usd": 0.9}, {})
+    tracker.finish_parent(parent, {"reference_gpu_seconds": 900.0, "reference_cost_usd": 0.9,
+                                   "baseline_gpu_seconds": 900.0, "baseline_cost_usd": 0.9}, {})
 
     assert main(["leaderboard", "--op", "engine"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -79,21 +79,21 @@ def test_what_an_optimization_cost_adds_up_from_its_seconds_and_the_pools_price(
         held = sum(end - start for _, start, end in json.loads(run.data.tags[f"{T}held"]))
         assert 0 < m["gpu_seconds"] == pytest.approx(stages) and m["gpu_seconds"] <= held
         assert m["gpu_hours"] == pytest.approx(m["gpu_seconds"] / 3600)
-        assert m["gpu_usd"] == pytest.approx(m["gpu_seconds"] * PRICE / 3600)
-        assert m["proposer_tokens"] == 0 and m["cost_usd"] == pytest.approx(m["gpu_usd"] + m["proposer_usd"])
-    for name in ("gpu_seconds", "gpu_usd", "proposer_usd", "cost_usd"):
+        assert m["cost_usd"] == pytest.approx(m["gpu_seconds"] * PRICE / 3600)
+        assert m["proposer_tokens"] == 0 and m["total_usd"] == pytest.approx(m["cost_usd"] + m["proposer_usd"])
+    for name in ("gpu_seconds", "cost_usd", "proposer_usd", "total_usd"):
         assert parent[name] == pytest.approx(sum(r.data.metrics[name] for r in kids)), name
-    assert parent["cost_usd"] == pytest.approx(parent["gpu_seconds"] * PRICE / 3600)
+    assert parent["total_usd"] == pytest.approx(parent["gpu_seconds"] * PRICE / 3600)
     best = max(r.data.metrics["score"] for r in kids if "score" in r.data.metrics)
     assert parent["best_score"] == pytest.approx(best)
     if best > 1:  # the interpreter's timings decide which: each way, the figures are what they must be
         assert parent["gain_pct"] == pytest.approx(100 * (best - 1))
-        assert parent["usd_per_pct_gain"] == pytest.approx(parent["cost_usd"] / parent["gain_pct"])
+        assert parent["usd_per_pct_gain"] == pytest.approx(parent["total_usd"] / parent["gain_pct"])
         assert parent["gpu_hours_per_pct_gain"] == pytest.approx(parent["gpu_hours"] / parent["gain_pct"])
     else:
         assert not {"gain_pct", "usd_per_pct_gain", "gpu_hours_per_pct_gain"} & set(parent)
     summary = Artifact.get("summary-rmsnorm")
-    assert f"| cost_usd | {parent['cost_usd']:.4g} |" in summary.data
+    assert f"| total_usd | {parent['total_usd']:.4g} |" in summary.data
     assert "| candidates | 3 |" in summary.data and "spent " in summary.data
     assert "spent " in Artifact.get("leaderboard-rmsnorm").description
 
@@ -127,7 +127,7 @@ def test_reproduce_runs_an_op_candidate_again_with_its_logged_target_and_rules(t
     assert new[0].data.tags[f"{T}target"] == old.data.tags[f"{T}target"]
     parent = tracker.client.get_run(new[0].data.tags["mlflow.parentRunId"])
     assert parent.data.tags[f"{T}kind"] == "reproduction"
-    assert parent.data.metrics["cost_usd"] == pytest.approx(new[0].data.metrics["gpu_seconds"] * PRICE / 3600)
+    assert parent.data.metrics["total_usd"] == pytest.approx(new[0].data.metrics["gpu_seconds"] * PRICE / 3600)
 
 
 def test_reproduce_of_no_candidate_is_one_line(tracker, optimization, capsys):
@@ -210,8 +210,8 @@ def test_reproduce_serves_an_engine_configuration_again_and_counts_the_reference
     child = tracker.client.get_run(result["run_id"]).data.metrics
     assert m["reference_gpu_seconds"] > 0 and "baseline_gpu_seconds" not in m  # no candidate needed it
     assert m["gpu_seconds"] == pytest.approx(child["gpu_seconds"] + m["reference_gpu_seconds"])
-    assert m["reference_gpu_usd"] == pytest.approx(m["reference_gpu_seconds"] * PRICE / 3600)
-    assert m["cost_usd"] == pytest.approx(m["gpu_seconds"] * PRICE / 3600)
+    assert m["reference_cost_usd"] == pytest.approx(m["reference_gpu_seconds"] * PRICE / 3600)
+    assert m["total_usd"] == pytest.approx(m["gpu_seconds"] * PRICE / 3600)
 
     zeros.unlink()  # the kernel's source comes back from the run's artifacts
     code, out = cli("reproduce", result["run_id"], "--pool", str(home / "pool.yaml"))

@@ -95,7 +95,7 @@ class Entry:
     held_out_status: str = ""
     gpu_class: str = ""
     gpu_hours: float = 0.0  # what this run of it cost
-    cost_usd: float = 0.0
+    total_usd: float = 0.0  # GPU and proposer
 
 
 def flags(run: Run) -> set[str]:
@@ -137,8 +137,13 @@ def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, 
                              m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
                              t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id,
                              m.get("held_out_score"), t.get(f"{T}held_out", ""), t.get(f"{T}gpu_class", ""),
-                             m.get("gpu_seconds", 0.0) / 3600.0, m.get("cost_usd", 0.0)))
+                             m.get("gpu_seconds", 0.0) / 3600.0, _total_usd(m)))
     return Board(out, len(fallbacks))
+
+
+def _total_usd(m: dict[str, float]) -> float:
+    """GPU and proposer dollars; a run logged before `total_usd` existed had only `cost_usd`."""
+    return m.get("total_usd", m.get("cost_usd", 0.0))
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ class EngineEntry:
     target: str
     run_id: str
     gpu_hours: float
-    cost_usd: float
+    total_usd: float
 
 
 def engine_board(tracker: Tracker, limit: int = 20, model: str | None = None, target: str | None = None,
@@ -171,7 +176,7 @@ def engine_board(tracker: Tracker, limit: int = 20, model: str | None = None, ta
         out.append(EngineEntry(len(out) + 1, run.info.run_name or key[0] or "", key[0] or "", m["score"],
                                m.get("worst_vs_baseline"), t.get(f"{T}device", ""), t.get(f"{T}gpu_class", ""),
                                key[1] or "", run.info.run_id, m.get("gpu_seconds", 0.0) / 3600.0,
-                               m.get("cost_usd", 0.0)))
+                               _total_usd(m)))
     return out
 
 
