@@ -78,7 +78,7 @@ def rerun(tracker: Tracker, old: Logged, pool: Pool, kind: str, gpu_class: str |
             "target": target.model_dump(mode="json"), "reruns": old.run_id, "pool": [s.label for s in slots]})
         try:
             run_id = tracker.open_candidate(parent, scope, old.candidate, reruns=old.run_id)
-            outcome = evaluate(old.candidate, run_id, target, slots, tracker, logged_rules=old.rules)
+            outcome = evaluate(old.candidate, run_id, target, slots, tracker, old.held_out, logged_rules=old.rules)
         except BaseException as e:
             tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
             raise

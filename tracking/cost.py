@@ -57,6 +57,12 @@ class Cost:
         return f"{self.gpu_hours:.3g} GPU-h, ${self.usd:.2f}{proposer}"
 
 
+def run_cost(m: dict[str, float]) -> Cost:
+    """A candidate run's: its evaluation and, for one its optimization timed on the held-out
+    shapes at its end, that timing (`held_out_gpu_seconds`, `held_out_cost_usd`)."""
+    return Cost.from_metrics(m) + Cost.from_metrics(m, "held_out_")
+
+
 def gain_pct(best_score: float | None) -> float | None:
     """The best candidate's speed-up over the baseline in percent; None when it is no speed-up."""
     return None if best_score is None or best_score <= 1.0 else 100.0 * (best_score - 1.0)
@@ -116,7 +122,7 @@ def spent(tracker: Tracker, op: str, target: str, gpu_class: str | None = None) 
     children = [r for r in search(tracker, op, **where) if RERUN_TAG not in r.data.tags]
     cost = Cost()
     for run in children:
-        cost = cost + Cost.from_metrics(run.data.metrics)
+        cost = cost + run_cost(run.data.metrics)
     def quoted(v: str) -> str:
         return "'" + v.replace("'", "\\'") + "'"
 

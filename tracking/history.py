@@ -137,7 +137,8 @@ def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, 
                              m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
                              t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id,
                              m.get("held_out_score"), t.get(f"{T}held_out", ""), t.get(f"{T}gpu_class", ""),
-                             m.get("gpu_seconds", 0.0) / 3600.0, _total_usd(m)))
+                             (m.get("gpu_seconds", 0.0) + m.get("held_out_gpu_seconds", 0.0)) / 3600.0,
+                             _total_usd(m) + m.get("held_out_cost_usd", 0.0)))
     return Board(out, len(fallbacks))
 
 

@@ -1,19 +1,19 @@
 """A logged candidate read back whole, to be run again: its target (the parent run's
 `target.json`), its candidate (point, or source from its artifacts; an engine configuration with
-its free kernels' sources), the rules it was judged by (`rules.json`), its figures and the
-versions it ran on. reproduce and revalidate run what this returns."""
+its free kernels' sources), the rules it was judged by (`rules.json`), the held-out shapes its
+flow checked it on (the parent's `held_out.json`), its figures and the versions it ran on. reproduce and revalidate run what this returns."""
 from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from pydantic import ValidationError
 
-from contract.job import Candidate, Rules
+from contract.job import Candidate, Rules, Shape
 from contract.serve import EngineCandidate
 from targets import Target
 from tracking.schema import T, Tracker
@@ -34,6 +34,7 @@ class Logged:
     rules: Rules | None  # None: judged before rules were logged; the target's apply
     model_dir: str  # an engine configuration's checkpoint (a path on the pool hosts)
     command: str  # a server command judged in place of the engine (serve-bench --candidate)
+    held_out: list[Shape] = field(default_factory=list)  # the held-out shapes its flow checked it on
 
     @property
     def run_id(self) -> str:
@@ -92,7 +93,9 @@ def logged(tracker: Tracker, run_id: str, scratch: Path) -> Logged:
             bare["source"] = _text(tracker, run_id, "candidate/candidate.py", f"run {run_id}")
         cand = Candidate.from_dict(bare)
     rules = _json(tracker, run_id, "rules.json", "", required=False)
-    return Logged(run, op, cand, target, Rules(**rules) if rules else None, model_dir, command)
+    held_out = _json(tracker, parent_id, "held_out.json", "", required=False) or []
+    return Logged(run, op, cand, target, Rules(**rules) if rules else None, model_dir, command,
+                  [Shape(**s) for s in held_out])
 
 
 def _kernels(tracker: Tracker, run_id: str, kernels: dict, scratch: Path) -> dict:
@@ -116,7 +119,7 @@ def _text(tracker: Tracker, run_id: str, artifact: str, what: str) -> str:
             raise NotReplayable(f"{what} has no artifact {artifact}, which re-running it needs") from None
 
 
-def _json(tracker: Tracker, run_id: str, artifact: str, what: str, required: bool = True) -> dict | None:
+def _json(tracker: Tracker, run_id: str, artifact: str, what: str, required: bool = True):
     try:
         return json.loads(_text(tracker, run_id, artifact, what))
     except NotReplayable:
