@@ -89,10 +89,10 @@ def test_per_target_spend_and_cost_per_gain_in_leaderboard_and_report(tracker, c
 
     assert main(["leaderboard", "--op", "rmsnorm"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["#", "score", "vs", "eager", "vs", "compile", "%roof", "GPU-h", "$", "device",
-                              "candidate", "[target]", "run"]
+    assert out[0].split() == ["#", "score", "held-out", "vs", "eager", "vs", "compile", "%roof", "GPU-h", "$",
+                              "device", "candidate", "[target]", "run"]
     first_row = out[1].split()
-    assert first_row[:2] == ["1", "1.25x"] and first_row[5:7] == ["0.25", "1.35"]  # its own GPU-hours and $
+    assert first_row[:3] == ["1", "1.25x", "-"] and first_row[6:8] == ["0.25", "1.35"]  # its own GPU-hours and $
     assert out[-1] == line
     assert "Cost on h200: 3 candidates, 1 GPU-h, $4.05 (proposer: 5000 tokens, $0.45); best +25% over the " \
            "baseline: $0.162 and 0.04 GPU-h per 1%." in report(tracker, "rmsnorm")
