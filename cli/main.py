@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import sys
 
-from cli import engine, gauntlet, kb, mcp, op, pool, serve
+from cli import engine, gauntlet, kb, mcp, op, pool, rerun, serve, tracking
 from cli.args import USAGE_ERROR, Parser, UsageError
 from tracking.errors import TrackingStoreError
 
-GROUPS = (op, kb, mcp, gauntlet, pool, serve, engine)
+GROUPS = (op, tracking, rerun, kb, mcp, gauntlet, pool, serve, engine)
 
 
 def _prefect_unreachable(e: BaseException) -> str | None:
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's telemetry writes to its database while the ephemeral server starts: off.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")
+    # reproduce reads a run's artifacts back: no progress bar between its lines
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "budget", 1) < 1:

@@ -1,4 +1,4 @@
-"""Commands on one op: ops, evaluate, optimize, leaderboard, report."""
+"""Commands on one op: ops, evaluate, optimize."""
 from __future__ import annotations
 
 import json
@@ -91,56 +91,8 @@ def cmd_optimize(args) -> int:
     return 0
 
 
-def cmd_leaderboard(args) -> int:
-    from tracking.history import board
-    from tracking.schema import Tracker
-    from tracking.store import TrackingConfig
-
-    op = op_named(args.op)
-    from engine_templates.models import PRESETS
-
-    if args.limit < 1:
-        raise UsageError(f"--limit must be at least 1, not {args.limit}")
-    if args.model and args.model not in PRESETS:
-        raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
-    ranked = board(Tracker(TrackingConfig.from_env()), op.name, args.model, args.limit)
-    rows = ranked.entries
-    n = ranked.fallbacks
-    left_out = (f"{n} passed candidate{'s' if n != 1 else ''} flagged reference_fallback left out (PyTorch's "
-                f"own {op.name} inside: the speed is torch's)") if n else ""
-    if not rows:
-        print(f"no passed candidates for {op.name}" + (f" on {args.model}" if args.model else "")
-              + (f" ({left_out})" if left_out else ""))
-        return 0
-    print(f"{'#':>3}  {'score':>7}  {'held-out':>8}  {'vs eager':>8}  {'vs compile':>10}  {'%roof':>6}  "
-          f"{'device':<14}  candidate")
-    for e in rows:
-        fmt = lambda x, suffix="x": f"{x:.2f}{suffix}" if x else "-"
-        note = "" if e.gpu_timing else " (interpreter timing)"
-        held = fmt(e.held_out) if e.held_out_status == "pass" else e.held_out_status or "-"
-        print(f"{e.rank:>3}  {fmt(e.score):>7}  {held:>8}  {fmt(e.vs_eager):>8}  {fmt(e.vs_compile):>10}  "
-              f"{fmt(e.pct_roofline, '%'):>6}  {e.device[:14]:<14}  {e.label}  [{e.target}]{note}")
-    if left_out:
-        print(left_out)
-    return 0
-
-
-def cmd_report(args) -> int:
-    from tracking.report import report
-    from tracking.schema import Tracker
-    from tracking.store import TrackingConfig
-
-    ops = [op_named(args.op).name] if args.op else None
-    from engine_templates.ops import OPS
-
-    tracker = Tracker(TrackingConfig.from_env())
-    for name in ops or list(OPS):
-        print(report(tracker, name, gpu_only=not args.include_cpu))
-    return 0
-
-
 def add_commands(sub) -> None:
-    """ops, evaluate, optimize, leaderboard, report."""
+    """ops, evaluate, optimize."""
     sub.add_parser("ops", help="list the ops, their signatures and templates").set_defaults(fn=cmd_ops)
 
     e = sub.add_parser("evaluate", help="run one candidate file through compile, check and microbench")
@@ -168,15 +120,3 @@ def add_commands(sub) -> None:
     add_target_options(o)
     add_llm_options(o)
     o.set_defaults(fn=cmd_optimize)
-
-    lb = sub.add_parser("leaderboard", help="passed candidates of an op, best first, with their speed-up on "
-                                           "held-out shapes where an optimization timed them there")
-    lb.add_argument("--op", required=True)
-    lb.add_argument("--model", help="only this model preset")
-    lb.add_argument("--limit", type=int, default=20, help="rows shown, at least 1 (default 20)")
-    lb.set_defaults(fn=cmd_leaderboard)
-
-    r = sub.add_parser("report", help="markdown tables of the best candidate per shape vs eager and compile")
-    r.add_argument("--op", help="only this op (default: every op)")
-    r.add_argument("--include-cpu", action="store_true", help="include interpreter-timed runs")
-    r.set_defaults(fn=cmd_report)

@@ -78,7 +78,7 @@ def _model_dir(path: str) -> Path:
     return d.resolve()
 
 
-def _serve_place(args, target):
+def serve_place(args, target):
     """The pool and the model directory, refused at once when no host can run the target's
     replicas. Where a slot is this machine the directory is checked here; a pool host is asked
     before the run whether it has the directory (a path there: no checkpoint is shipped), aiperf,
@@ -167,7 +167,7 @@ def cmd_serve_bench(args) -> int:
         raise UsageError(f"--spec-tokens must be at least 0 and --spec-ngram at least 1, not {args.spec_tokens} "
                          f"and {args.spec_ngram}")
     engine = {"spec_tokens": args.spec_tokens, "spec_ngram": args.spec_ngram} if args.spec_tokens else {}
-    pool, model_dir = _serve_place(args, target)
+    pool, model_dir = serve_place(args, target)
     from flows.optimize_engine import serve_bench
 
     open_store()
@@ -196,7 +196,7 @@ def cmd_optimize_engine(args) -> int:
         raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
     target = _serve_target(args, args.budget, args.wall_clock)
     include = [{"kernels": _kernels(k)} for k in args.include or []]
-    pool, model_dir = _serve_place(args, target)
+    pool, model_dir = serve_place(args, target)
     from flows.optimize_engine import optimize_engine
 
     open_store()

@@ -13,6 +13,7 @@ from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
 from targets import Target
 from tasks.evaluate import evaluate, one_line
+from tracking.cost import FlowCost
 from tracking.ledger import Charge
 from tracking.schema import Tracker
 from tracking.store import TrackingConfig
@@ -42,8 +43,9 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise
     print(f"{name}: {one_line(outcome)}")
+    cost = FlowCost()
+    cost.add(outcome.charge)
     tracker.finish_parent(parent, {"candidates": 1, "passed": float(outcome.verdict.status == "pass"),
-                                   "gpu_seconds": outcome.charge.gpu_seconds, "cost_usd": outcome.charge.usd,
-                                   **outcome.charge.token_metrics()}, {})
+                                   **cost.metrics(outcome.verdict.score()), **outcome.charge.token_metrics()}, {})
     verdict = json.loads(outcome.verdict.to_json())
     return {"verdict": verdict, "run_id": outcome.run_id, "parent_run_id": parent, **outcome.charge.metrics()}

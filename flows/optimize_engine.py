@@ -9,17 +9,20 @@ import time
 from pathlib import Path
 
 from prefect import flow
+from prefect.artifacts import create_table_artifact
 
 from contract.serve import METRICS, EngineCandidate
 from contract.verdict import PASS
-from flows.optimize_op import ProposerName
+from flows.optimize_op import ProposerName, summary
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
 from proposers.engine import EngineProposer
 from targets import Target
 from tasks.reference import reference_task
 from tasks.serve import Baseline, EngineOutcome, evaluate_engine, one_line
-from tracking.history import engine_trials, kernel_choices
+from tracking.cost import FlowCost, per_gain_text
+from tracking.history import engine_board, engine_trials, kernel_choices
+from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
@@ -30,7 +33,8 @@ class Session:
     """What every candidate of one flow shares: the pool's slots, tracking, the parent run, a
     scratch folder, the reference's answers and the baseline."""
 
-    def __init__(self, kind: str, name: str, model_dir: Path, target: Target, pool: Pool | None, params: dict):
+    def __init__(self, kind: str, name: str, model_dir: Path, target: Target, pool: Pool | None, params: dict,
+                 tags: dict | None = None):
         self.model_dir, self.target = Path(model_dir), target
         pool = pool or local_pool()
         self.slots = pool.slots(target.gpu_class)
@@ -47,24 +51,49 @@ class Session:
         ensure_limits(pool)
         self.tracker = Tracker(TrackingConfig.from_env())
         self.parent = self.tracker.start_parent(kind, self.scope, name, params={
-            "target": target.model_dump(mode="json"), "model_dir": str(self.model_dir), **params})
+            "target": target.model_dump(mode="json"), "model_dir": str(self.model_dir), **params}, tags=tags)
         self.out = Path(tempfile.mkdtemp(prefix="infersmith-serve-"))
         self.baseline = Baseline(self.out / "baseline")
         self.reference = None
+        self.reference_charge = Charge()
+        self.cost = FlowCost()
+        self.best: float | None = None
 
     def start(self) -> None:
-        self.reference = reference_task(self.target, self.model_dir, self.slots, self.baseline)
+        self.reference = reference_task(self.target, self.model_dir, self.slots, self.baseline,
+                                        self.reference_charge)
 
-    def evaluate(self, cand: EngineCandidate, command: str | None = None) -> EngineOutcome:
-        run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand)
-        return evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker, self.reference,
-                               self.baseline, self.out / cand.id, command)
+    def evaluate(self, cand: EngineCandidate, command: str | None = None, reruns: str = "") -> EngineOutcome:
+        run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand, reruns)
+        outcome = evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker, self.reference,
+                                  self.baseline, self.out / cand.id, command)
+        self.cost.add(outcome.charge)
+        score = outcome.metrics.get("score") if outcome.verdict.status == PASS else None
+        if score is not None:
+            self.best = score if self.best is None else max(self.best, score)
+        return outcome
 
-    def finish(self, metrics: dict[str, float]) -> None:
-        self.tracker.finish_parent(self.parent, metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()}, {})
+    def finish(self, metrics: dict[str, float], reason: str) -> dict[str, float]:
+        """Totals on the parent run (the reference's and baseline's GPU time with the candidates'),
+        the engine leaderboard and the summary as Prefect artifacts; returns the parent's metrics."""
+        self.cost.add(self.reference_charge, "reference")
+        self.cost.add(self.baseline.charge, "baseline")
+        metrics = metrics | self.cost.metrics(self.best) | ({"best_score": self.best} if self.best else {})
+        spend = f"spent {self.cost.total.text()}; {per_gain_text(self.cost.total, self.best)}"
+        print(spend)
+        gpu_class = None if self.scope.gpu_class == "mixed" else self.scope.gpu_class
+        rows = [e.__dict__ for e in engine_board(self.tracker, limit=10, target=self.scope.target_key,
+                                                 gpu_class=gpu_class)]
+        create_table_artifact(table=rows or [{"result": "no configuration passed"}], key="leaderboard-engine",
+                              description=f"engine on {self.scope.target_key} ({self.scope.gpu_class}): passed "
+                                          f"configurations, best score first. {spend}")
+        summary("engine", self.scope.target_key, self.scope.gpu_class, reason, metrics, spend)
+        self.tracker.finish_parent(self.parent, metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()},
+                                   {"leaderboard.json": rows})
         if (self.out / "baseline").is_dir():
             self.tracker.client.log_artifacts(self.parent, str(self.out / "baseline"), "baseline")
         shutil.rmtree(self.out, ignore_errors=True)
+        return metrics
 
     def fail(self, e: BaseException) -> None:
         self.tracker.fail_parent(self.parent, f"{type(e).__name__}: {e}")
@@ -81,7 +110,7 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
     s = Session("engine-optimization", f"optimize engine {Path(model_dir).name}", Path(model_dir), target, pool,
                 {"proposer": proposer, "seed": seed, "kernels_per_op": kernels_per_op, "include": include or []})
     queue = [EngineCandidate.from_dict({"origin": "include", **d}) for d in include or []]
-    done, passed, best, started = 0, 0, None, time.monotonic()
+    done, passed, started = 0, 0, time.monotonic()
     try:
         s.start()
         options = kernel_choices(s.tracker, target.model, target.activation_dtype,
@@ -101,16 +130,16 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
             queue = [c for c in queue if c.id != cand.id]
             outcome = s.evaluate(cand)
             done += 1
-            score = outcome.metrics.get("score") if outcome.verdict.status == PASS else None
-            passed += score is not None
-            best = max(best or 0.0, score) if score is not None else best
+            passed += outcome.verdict.status == PASS
             print(f"[{done}/{target.budget.candidates}] {cand.label}: {one_line(outcome)}")
     except BaseException as e:
         s.fail(e)
         raise
-    metrics = {"candidates": done, "passed": passed} | ({"best_score": best} if best is not None else {})
-    s.finish(metrics)
-    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {best:.3g}x" if best else ""))
+    reason = (f"budget of {target.budget.candidates} candidates spent" if done >= target.budget.candidates
+              else "wall-clock budget spent" if time.monotonic() - started >= target.budget.wall_clock_s
+              else "the proposer has nothing new")
+    metrics = s.finish({"candidates": done, "passed": passed}, reason)
+    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {s.best:.3g}x" if s.best else ""))
     return {"parent_run_id": s.parent, **metrics}
 
 
@@ -130,8 +159,8 @@ def serve_bench(model_dir: str, target: Target = Target(), kernels: dict | None 
     except BaseException as e:
         s.fail(e)
         raise
-    s.finish({"candidates": 1, "passed": float(outcome.verdict.status == PASS)})
-    return {"verdict": outcome.verdict.status, "line": one_line(outcome), "run_id": outcome.run_id,
+    metrics = s.finish({"candidates": 1, "passed": float(outcome.verdict.status == PASS)}, "one configuration served")
+    return {"metrics": metrics, "verdict": outcome.verdict.status, "line": one_line(outcome), "run_id": outcome.run_id,
             "parent_run_id": s.parent, "gates": [g.__dict__ for g in outcome.verdict.gates],
             "table": side_by_side(outcome, target)}
 

@@ -5,7 +5,7 @@ import hashlib
 from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
@@ -22,6 +22,8 @@ from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
+from tracking.charts import log_optimization_charts
+from tracking.cost import Cost, per_gain, per_gain_text
 from tracking.history import board, ceilings, trials
 from tracking.knowledge import KnowledgeBase, published_for, warm_points
 from tracking.knowledge.derive import write_drafts
@@ -220,20 +222,38 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
     spent = f"; {progress.tokens.proposer_tokens:,} tokens, ${progress.tokens.proposer_usd:.4f}" if llm else ""
     print(f"stopped: {reason}. {progress.passed}/{progress.done} passed"
-          + (f"; best score {progress.best:.3g}x" if progress.best else "") + spent)
+          + (f"; best score {progress.top:.3g}x" if progress.top else "") + spent)
+    spend = f"spent {progress.cost.text()} on {progress.done} candidates; {per_gain_text(progress.cost, progress.top)}"
+    print(spend)
     create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
-                                      "score first" + (f"; {left_out}" if ranked.fallbacks else ""))
+                                      "score first" + (f"; {left_out}" if ranked.fallbacks else "") + f". {spend}")
     drafts = write_drafts(tracker, scope, kb)
     if drafts:
         print(f"knowledge: draft entries {', '.join(drafts)}; a person publishes them with `infersmith kb publish ID`")
-    tracker.finish_parent(parent, progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)},
-                          {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
-                           "held_out.json": [s.to_dict() for s in held_out],
-                           "knowledge.json": {"drafts": drafts, "warm_start": [ids for _, ids in warm]}})
-    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, "drafts": drafts,
-            **progress.metrics()}
+    metrics = progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)}
+    summary(f"optimize {op}", target.key(), scope.gpu_class, reason, metrics, spend)
+    log_optimization_charts(tracker, parent, f"{op} {target.key()} ({scope.gpu_class})")
+    tracker.finish_parent(parent, metrics, {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
+                                            "held_out.json": [s.to_dict() for s in held_out],
+                                            "knowledge.json": {"drafts": drafts,
+                                                               "warm_start": [ids for _, ids in warm]}})
+    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, "drafts": drafts, **metrics}
+
+
+def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str) -> None:
+    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought."""
+    def row(name: str) -> str:
+        return f"| {name} | {f'{metrics[name]:.4g}' if name in metrics else '-'} |"
+
+    lines = [f"## {what}: {target_key} ({gpu_class})", "", f"Stopped: {reason}.", "", spend, "",
+             "| metric | value |", "| --- | --- |"]
+    lines += [row(n) for n in ("candidates", "passed", "best_score", "gpu_hours", "cost_usd", "proposer_tokens",
+                               "proposer_usd", "total_usd", "reference_gpu_hours", "baseline_gpu_hours", "gain_pct",
+                               "usd_per_pct_gain", "gpu_hours_per_pct_gain")]
+    create_markdown_artifact("\n".join(lines), key=f"summary-{what.split()[-1].replace('_', '-')}",
+                             description=f"{what} on {target_key}: cost and cost per gain")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 from targets import Target
 from tasks.evaluate import Outcome
+from tracking.cost import Cost, per_gain
 from tracking.ledger import Charge
 
 
@@ -15,6 +16,7 @@ class Progress:
     def __init__(self, target: Target):
         self.budget, self.started = target.budget, time.monotonic()
         self.done, self.passed, self.best, self.since_best = 0, 0, None, 0
+        self.top: float | None = None  # the best score, where `best` moves only on a 1% gain
         self.gpu_seconds = self.usd = 0.0
         self.host_seconds: dict[str, float] = defaultdict(float)
         self.proposals, self.tokens = 0, Charge()  # what the proposer's replies cost, as they come
@@ -35,6 +37,7 @@ class Progress:
         score = o.verdict.score()
         if score is not None:
             self.passed += 1
+            self.top = score if self.top is None else max(self.top, score)
         if score is not None and (self.best is None or score > self.best * 1.01):
             self.best, self.since_best = score, 0
         else:
@@ -77,9 +80,13 @@ class Progress:
             return f"plateau: {self.since_best} candidates without a 1% better score"
         return None
 
+    @property
+    def cost(self) -> Cost:
+        """GPU time as the candidates ran, the proposer's tokens as its replies came."""
+        return Cost(self.gpu_seconds, self.usd, float(self.tokens.proposer_tokens), self.tokens.proposer_usd)
+
     def metrics(self) -> dict[str, float]:
-        m = {"candidates": self.done, "passed": self.passed, "gpu_seconds": self.gpu_seconds,
-             "cost_usd": self.usd, "total_usd": self.total_usd, "wall_s": time.monotonic() - self.started}
-        m |= self.tokens.token_metrics()
+        m = {"candidates": self.done, "passed": self.passed, "wall_s": time.monotonic() - self.started}
+        m |= self.cost.metrics() | self.tokens.token_metrics() | per_gain(self.cost, self.top)
         m |= {f"gpu_seconds/{host}": v for host, v in self.host_seconds.items()}
-        return m | ({"best_score": self.best} if self.best is not None else {})
+        return m | ({"best_score": self.top} if self.top is not None else {})

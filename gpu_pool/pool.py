@@ -33,7 +33,8 @@ class Host(BaseModel):
     connect_timeout_s: PositiveFloat = 10.0
     gpus: list[NonNegativeInt] = Field(default_factory=list, description="GPU indices; empty: CPU only")
     gpu_class: GPUClassName = "cpu"
-    usd_per_gpu_hour: NonNegativeFloat = 0.0
+    usd_per_gpu_hour: NonNegativeFloat | None = Field(
+        None, description="what one of its GPU-hours costs; unset: the pool's price for its gpu_class")
     python: str = Field("python3", description="the Python (with torch and triton) that runs the harness")
     workdir: str = Field("~/.infersmith-worker", description="where bundles and scratch dirs live")
 
@@ -60,6 +61,8 @@ class Host(BaseModel):
 class Pool(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     hosts: list[Host] = Field(min_length=1)
+    usd_per_gpu_hour: dict[GPUClassName, NonNegativeFloat] = Field(
+        default_factory=dict, description="price of one GPU-hour per GPU class; a host's own price wins")
 
     @field_validator("hosts")
     @classmethod
@@ -76,8 +79,15 @@ class Pool(BaseModel):
         for h in self.hosts:
             if gpu_class not in ("any", h.gpu_class):
                 continue
-            out += [Slot(h, g) for g in h.gpus] if h.gpus else [Slot(h, None)]
+            price = self.price(h)
+            out += [Slot(h, g, price) for g in h.gpus] if h.gpus else [Slot(h, None, price)]
         return out
+
+    def price(self, host: Host) -> float:
+        """$ per GPU-hour of the host: its own, else its class's, else 0 (time is still counted)."""
+        if host.usd_per_gpu_hour is not None:
+            return host.usd_per_gpu_hour
+        return self.usd_per_gpu_hour.get(host.gpu_class, 0.0)
 
     def group_problem(self, gpu_class: str, n: int) -> str | None:
         """Why no host of the class can run n servers of one GPU each (a CPU-only host runs them
@@ -94,6 +104,7 @@ class Pool(BaseModel):
 class Slot:
     host: Host
     gpu: int | None  # None: no GPU, the Triton interpreter on the CPU
+    usd_per_gpu_hour: float = 0.0  # resolved by Pool.price
 
     @property
     def label(self) -> str:
@@ -106,7 +117,7 @@ class Slot:
 
     @property
     def usd_per_second(self) -> float:
-        return self.host.usd_per_gpu_hour / 3600.0
+        return self.usd_per_gpu_hour / 3600.0
 
 
 def gpu_class_of(name: str) -> GPUClassName:

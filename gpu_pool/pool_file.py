@@ -63,5 +63,6 @@ def _resolve_paths(pool: Pool, base: Path) -> Pool:
         p = p.expanduser()
         return p if p.is_absolute() else (base / p).resolve()
 
-    return Pool(hosts=[h.model_copy(update={"key_file": fix(h.key_file), "known_hosts": fix(h.known_hosts)})
-                       for h in pool.hosts])
+    return pool.model_copy(update={"hosts": [h.model_copy(update={"key_file": fix(h.key_file),
+                                                                  "known_hosts": fix(h.known_hosts)})
+                                             for h in pool.hosts]})

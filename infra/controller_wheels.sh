@@ -26,7 +26,7 @@ else
 fi
 python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
     "${plats[@]}" -d "$all" "prefect>=3.4,<4" "$mlflow_req" "sqlalchemy>=2" alembic \
-    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "aiperf>=0.13,<0.14"
+    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "matplotlib>=3.8" "aiperf>=0.13,<0.14"
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }
 # Pieces that a local run never imports, left out so that the set fits a 64 MiB carry: cloud

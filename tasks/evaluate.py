@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from contract.job import STAGES, Candidate, Job, Shape
+from contract.job import STAGES, Candidate, Job, Rules, Shape
 from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
@@ -35,16 +35,24 @@ class Outcome:
     held: bool = False
 
 
-def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape] = ()) -> dict[str, Job]:
+def rules_on(target: Target, slot: Slot, logged: Rules | None = None) -> Rules:
+    """The target's rules on this slot; `logged` (a re-run's) in their place, except whether
+    torch.compile is timed, which is the slot's: a CPU has no compile baseline."""
+    on_gpu = slot.gpu is not None
+    return target.rules(on_gpu) if logged is None else replace(logged, compile_baseline=on_gpu)
+
+
+def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape] = (),
+             rules: Rules | None = None) -> dict[str, Job]:
     """The three stages' jobs: the target's shapes timed; the op's awkward sizes and this run's
-    held-out shapes (targets/held_out.py) checked too."""
+    held-out shapes (targets/held_out.py) checked too; by the target's rules or `rules`."""
     op = get_op(candidate.op)
     w = target.workload
     shapes = op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
     odd = [*op.odd_shapes(target.dims), *held_out]
-    on_gpu = slot.gpu is not None
-    rules = target.rules(on_gpu)
-    return {s: Job(s, candidate, target.model, shapes, odd, rules, "cuda" if on_gpu else "cpu") for s in STAGES}
+    rules = rules or rules_on(target, slot)
+    device = "cpu" if slot.gpu is None else "cuda"
+    return {s: Job(s, candidate, target.model, shapes, odd, rules, device) for s in STAGES}
 
 
 def held_out_jobs(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape]) -> dict[str, Job]:
@@ -100,26 +108,36 @@ def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Cha
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker,
-             held_out: list[Shape] | None = None, charge: Charge | None = None) -> Outcome:
+             held_out: list[Shape] | None = None, charge: Charge | None = None,
+             logged_rules: Rules | None = None) -> Outcome:
     """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`,
-    checked on the held-out shapes too; recorded whatever happens. `charge`: what proposing it
-    already cost (an LLM's tokens), added to."""
+    checked on the held-out shapes too; recorded whatever happens, with the rules it was judged by.
+    `charge`: what proposing it already cost (an LLM's tokens), added to. `logged_rules`: a
+    re-run's, in place of the target's."""
     charge = charge or Charge()
+    used: list[Rules] = []
+
+    def jobs(slot: Slot) -> dict[str, Job]:
+        used.append(rules_on(target, slot, logged_rules))
+        return jobs_for(candidate, target, slot, held_out or (), used[-1])
+
     try:
-        verdict = _judged(candidate, target, slots, charge,
-                          lambda slot: jobs_for(candidate, target, slot, held_out or ()))
+        verdict = _judged(candidate, target, slots, charge, jobs)
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
-        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
+        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate),
+                                 rules=used[-1] if used else None)
         raise
     held = verdict.needs_approval
+    rules = used[-1] if used else None
     if not held:
-        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate))
+        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate), rules=rules)
         return Outcome(candidate, verdict, charge, run_id)
     waiting = copy.deepcopy(verdict)
     waiting.gate("approval", False, f"waiting for a person's approval ({', '.join(held)})")
-    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate), {"approval": "waiting"})
+    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate), {"approval": "waiting"},
+                             rules=rules)
     return Outcome(candidate, verdict, charge, run_id, held=True)
 
 

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -18,8 +19,11 @@ from gpu_pool.executors import run_serve, serve_sessions
 from gpu_pool.local import WORKER_ROOT
 from gpu_pool.pool import Slot
 from targets import Target
+from tracking.charts import log_engine_chart
 from tracking.ledger import Charge
 from tracking.schema import Tracker
+
+R = TypeVar("R")
 
 # The end-to-end stage: servers and AIPerf in subprocesses on the leased slots' host (harness/serve).
 serve_stage = task(name="serve", cache_policy=NO_CACHE)(run_serve)
@@ -52,20 +56,35 @@ def _reference_dir(path: str | None, local: bool) -> Path | None:
     return Path(path).resolve() if local else Path(path)
 
 
+def held(charge: Charge, stage: str, group: list[Slot], work: Callable[[], R]) -> R:
+    """work() charged as `stage` for every GPU of the group, held the whole time."""
+    slot = group[0]
+    charge.place(slot.host.name, ",".join(s.label for s in group), slot.host.gpu_class, slot.gpu)
+    start, t0 = time.time(), time.monotonic()
+    try:
+        return work()
+    finally:
+        charge.add_stage(stage, len(group) * (time.monotonic() - t0), slot.usd_per_second)
+        charge.held.extend((s.label, start, time.time()) for s in group)
+
+
 class Baseline:
     """The baseline server's metrics, measured once: with the reference's answers when the
     reference is the baseline, else the first time a candidate needs them, on its slots (so on the
-    same kind of host as the candidate, by the same mechanism)."""
+    same kind of host as the candidate, by the same mechanism). Its GPU time is the flow's, not
+    the candidate's that happened to need it first."""
 
     def __init__(self, out: Path):
         self.out = out
         self.runs: dict[str, PatternRun] | None = None
+        self.charge = Charge()
         self._lock = threading.Lock()
 
     def get(self, job: ServeJob, group: list[Slot]) -> dict[str, PatternRun]:
         with self._lock:
             if self.runs is None:
-                self.runs = serve_sessions(group).baseline(job, self.out)
+                self.runs = held(self.charge, "baseline", group,
+                                 lambda: serve_sessions(group).baseline(job, self.out))
             return self.runs
 
     def metrics(self) -> dict[str, float]:
@@ -91,18 +110,11 @@ def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_di
     charge = Charge()
 
     def attempt(group: list[Slot]) -> Served:
-        slot = group[0]
-        charge.place(slot.host.name, ",".join(s.label for s in group), slot.host.gpu_class, slot.gpu)
-        start, t0 = time.time(), time.monotonic()
-        try:
-            job = job_for(target, model_dir, group)
-            served = serve_stage(group, job, cand, reference, out, command)
-            if served.verdict.status == PASS:
-                compare(served, baseline.get(job, group), target.serving.margin)
-            return served
-        finally:  # every GPU of the group was held the whole time
-            charge.add_stage("serve", len(group) * (time.monotonic() - t0), slot.usd_per_second)
-            charge.held.extend((s.label, start, time.time()) for s in group)
+        job = job_for(target, model_dir, group)
+        served = held(charge, "serve", group, lambda: serve_stage(group, job, cand, reference, out, command))
+        if served.verdict.status == PASS:  # the baseline's time, measured now or before, is the flow's
+            compare(served, baseline.get(job, group), target.serving.margin)
+        return served
 
     try:
         served = run_leased_group(slots, target.serving.replicas, attempt)
@@ -112,6 +124,8 @@ def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_di
         tracker.finish_engine_candidate(run_id, verdict, {}, charge, out)
         raise
     tracker.finish_engine_candidate(run_id, served.verdict, served.metrics, charge, out)
+    log_engine_chart(tracker, run_id, f"{cand.label}: vs {target.serving.baseline}, per traffic pattern",
+                     target.serving.margin)
     return EngineOutcome(cand, served.verdict, served.metrics, charge, run_id)
 
 

@@ -93,6 +93,9 @@ class Entry:
     # status of that timing ("" where it was not timed, "pass", or what stopped it)
     held_out: float | None = None
     held_out_status: str = ""
+    gpu_class: str = ""
+    gpu_hours: float = 0.0  # what this run of it cost
+    total_usd: float = 0.0  # GPU and proposer
 
 
 def flags(run: Run) -> set[str]:
@@ -133,8 +136,49 @@ def board(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, 
                              m.get("geomean_speedup_vs_eager"), m.get("geomean_speedup_vs_compile"),
                              m.get("geomean_pct_roofline"), t.get(f"{T}device", ""),
                              t.get(f"{T}gpu_timing") == "true", t.get(f"{T}target", ""), run.info.run_id,
-                             m.get("held_out_score"), t.get(f"{T}held_out", "")))
+                             m.get("held_out_score"), t.get(f"{T}held_out", ""), t.get(f"{T}gpu_class", ""),
+                             (m.get("gpu_seconds", 0.0) + m.get("held_out_gpu_seconds", 0.0)) / 3600.0,
+                             _total_usd(m) + m.get("held_out_cost_usd", 0.0)))
     return Board(out, len(fallbacks))
+
+
+def _total_usd(m: dict[str, float]) -> float:
+    """GPU and proposer dollars; a run logged before `total_usd` existed had only `cost_usd`."""
+    return m.get("total_usd", m.get("cost_usd", 0.0))
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    rank: int
+    label: str
+    candidate_id: str
+    score: float  # geometric mean of every metric's advantage over the baseline, every pattern
+    worst_vs_baseline: float | None
+    device: str
+    gpu_class: str
+    target: str
+    run_id: str
+    gpu_hours: float
+    total_usd: float
+
+
+def engine_board(tracker: Tracker, limit: int = 20, model: str | None = None, target: str | None = None,
+                 gpu_class: str | None = None) -> list[EngineEntry]:
+    """Passed engine configurations, best score first, each once per target and device (its best run)."""
+    tags = {"status": "pass"} | ({"model": model} if model else {}) | ({"target": target} if target else {})
+    tags |= {"gpu_class": gpu_class} if gpu_class else {}
+    seen, out = set(), []
+    for run in search(tracker, "engine", order_by=["metrics.score DESC"], **tags):
+        t, m = run.data.tags, run.data.metrics
+        key = (t.get(f"{T}candidate_id"), t.get(f"{T}target"), t.get(f"{T}device"))
+        if key in seen or "score" not in m or len(out) >= limit:
+            continue
+        seen.add(key)
+        out.append(EngineEntry(len(out) + 1, run.info.run_name or key[0] or "", key[0] or "", m["score"],
+                               m.get("worst_vs_baseline"), t.get(f"{T}device", ""), t.get(f"{T}gpu_class", ""),
+                               key[1] or "", run.info.run_id, m.get("gpu_seconds", 0.0) / 3600.0,
+                               _total_usd(m)))
+    return out
 
 
 def leaderboard(tracker: Tracker, op: str, model: str | None = None, limit: int = 20, **where) -> list[Entry]:
@@ -182,3 +226,18 @@ def kernel_choices(tracker: Tracker, model: str, dtype: str, gpu_class: str | No
                 choices.append({"impl": "free", "path": str(path)})
         out[op] = choices
     return out
+
+
+def winners(tracker: Tracker, op: str, model: str | None = None, gpu_class: str | None = None,
+            gpu_timing: bool = True) -> list[Run]:
+    """The best passed run of each target and GPU class of `op` ("engine": engine configurations),
+    of this model and class where given, timed on a GPU if `gpu_timing`; a candidate flagged
+    `reference_fallback` is torch's own op and never a winner."""
+    tags = {"status": "pass"} | ({"model": model} if model else {}) | ({"gpu_class": gpu_class} if gpu_class else {})
+    tags |= {"gpu_timing": "true"} if gpu_timing else {}
+    best: dict[tuple[str, str], Run] = {}
+    for run in search(tracker, op, order_by=["metrics.score DESC"], **tags):
+        key = (run.data.tags.get(f"{T}target", ""), run.data.tags.get(f"{T}gpu_class", ""))
+        if key not in best and "score" in run.data.metrics and "reference_fallback" not in flags(run):
+            best[key] = run
+    return [best[k] for k in sorted(best)]

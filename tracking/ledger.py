@@ -12,7 +12,7 @@ class Charge:
     gpu_index: int | None = None  # None: a CPU-only host
     attempts: int = 0  # hosts tried: more than one after a host fault
     gpu_seconds: float = 0.0  # on every host tried: a faulted host's time was held too
-    usd: float = 0.0
+    usd: float = 0.0  # what those GPU-seconds cost at their slots' prices
     # What proposing it cost: the LLM's tokens (input not read from the provider's cache, cached
     # input, output) and their dollars. Zero for a template search.
     input_tokens: int = 0
@@ -33,7 +33,9 @@ class Charge:
         self.usd += held_s * usd_per_second
 
     def metrics(self) -> dict[str, float]:
-        m = {"gpu_seconds": self.gpu_seconds, "cost_usd": self.usd, "host_attempts": float(self.attempts)}
+        """`cost_usd` is the GPU time's, `total_usd` adds the proposer's (tracking/cost.py)."""
+        m = {"gpu_seconds": self.gpu_seconds, "gpu_hours": self.gpu_seconds / 3600.0, "cost_usd": self.usd,
+             "total_usd": self.usd + self.proposer_usd, "host_attempts": float(self.attempts)}
         m |= self.token_metrics()
         m.update({f"stage_seconds/{k}": v for k, v in self.stage_seconds.items()})
         return m

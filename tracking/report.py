@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 
 from mlflow.entities import Run
 
+from tracking.cost import per_gain_text, spent
 from tracking.history import flags, search
 from tracking.schema import T, Tracker
 
@@ -93,6 +94,8 @@ def report(tracker: Tracker, op: str, gpu_only: bool = True) -> str:
                 f"PyTorch's own {op}, so {'its' if left_out == 1 else 'their'} speed is torch's)") if left_out else ""
         where = f"; {_provenance([(shape, run) for shape, (run, _) in rows])}." if rows else "; none to show."
         out.append(f"{len(group)} passed candidates{note}{where}\n")
+        out.append(cost_line(tracker, op, target, group, max((r.data.metrics.get("score", 0.0) for r in ranked),
+                                                             default=None)) + "\n")
         if not rows:
             continue
         out.append("| shape | best candidate | candidate µs (% roofline) | eager µs (%) | torch.compile µs (%) "
@@ -133,6 +136,15 @@ def _held_out_rows(runs: list[Run], limit: int = 5) -> list[str]:
                 else f"{status} at {run.data.tags.get(f'{T}held_out_gate') or '?'}")
         out.append(f"| `{run.info.run_name}` | {m.get('score', 0):.2f}x | {held} |")
     return out
+
+
+def cost_line(tracker: Tracker, op: str, target: str, runs: list[Run], best: float | None) -> str:
+    """What finding the target's candidates cost on the GPU class of `runs`, and per percent gained."""
+    classes = {r.data.tags.get(f"{T}gpu_class", "") for r in runs}
+    gpu_class = classes.pop() if len(classes) == 1 else None
+    cost, n = spent(tracker, op, target, gpu_class)
+    return (f"Cost on {gpu_class or 'every GPU class'}: {n} candidate{'s' if n != 1 else ''}, {cost.text()}; "
+            f"{per_gain_text(cost, best)}.")
 
 
 def _shape_order(label: str):

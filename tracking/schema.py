@@ -21,14 +21,14 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from contract.job import Candidate
+from contract.job import Candidate, Rules
 from contract.serve import EngineCandidate
 from contract.verdict import CRASH, Verdict
 from tracking.ledger import Charge
@@ -88,6 +88,8 @@ class Tracker:
             f"{T}target": scope.target_key, f"{T}gpu_class": scope.gpu_class,
             f"{T}controller": controller_id(), **(tags or {})})
         _batch(self.client, run.info.run_id, params=_flatten("", params, {}))
+        if "target" in params:  # whole, as JSON: what reproduce and revalidate rebuild the target from
+            self.client.log_dict(run.info.run_id, params["target"], "target.json")
         return run.info.run_id
 
     def finish_parent(self, run_id: str, metrics: dict[str, float], artifacts: dict[str, object]) -> None:
@@ -102,8 +104,9 @@ class Tracker:
 
     # -- children ----------------------------------------------------------------
     def open_candidate(self, parent_id: str, scope: RunScope, cand: Candidate, requeued_from: str = "",
-                       extra_tags: dict[str, str] | None = None) -> str:
-        """A pending child run; `extra_tags` (without the infersmith. prefix) are added to it."""
+                       extra_tags: dict[str, str] | None = None, reruns: str = "") -> str:
+        """A pending child run; `extra_tags` (without the infersmith. prefix) are added to it;
+        `reruns`: the run this one re-runs (reproduce, revalidate)."""
         source_sha = hashlib.sha256((cand.source or "").encode()).hexdigest()[:16] if cand.source else ""
         bare = {k: v for k, v in cand.to_dict().items() if k != "source"}
         tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
@@ -113,7 +116,8 @@ class Tracker:
                 # pool_class is the scope the proposer's history is read by; gpu_class becomes the
                 # class of the slot that ran it, which in a mixed pool differs.
                 f"{T}pool_class": scope.gpu_class, f"{T}gpu_class": scope.gpu_class} | (
-                    {f"{T}requeued_from": requeued_from} if requeued_from else {})
+                    {f"{T}requeued_from": requeued_from} if requeued_from else {}) | (
+                    {f"{T}reruns": reruns} if reruns else {})
         run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags | {
             f"{T}{k}": v for k, v in (extra_tags or {}).items()})
         params = {"candidate.kind": cand.kind, "candidate.id": cand.id}
@@ -136,9 +140,13 @@ class Tracker:
         self.client.log_dict(run_id, about, "proposal/about.json")
 
     def finish_candidate(self, run_id: str, cand: Candidate, verdict: Verdict, charge: Charge,
-                         template_source: str | None = None, tags: dict[str, str] | None = None) -> None:
+                         template_source: str | None = None, tags: dict[str, str] | None = None,
+                         rules: Rules | None = None) -> None:
+        """`rules`: those it was judged by (None when no slot was reached), as `rules.json`."""
         _batch(self.client, run_id, metrics={**verdict.metrics(), **charge.metrics(), **_ceilings(verdict)},
                tags=_finish_tags(verdict, charge) | {f"{T}{k}": v for k, v in (tags or {}).items()})
+        if rules is not None:
+            self.client.log_dict(run_id, asdict(rules), "rules.json")
         if template_source is not None:
             self.client.log_text(run_id, template_source, f"candidate/{cand.template}.py")
             self.client.log_dict(run_id, cand.point, "candidate/point.json")
@@ -180,12 +188,14 @@ class Tracker:
         self.client.log_text(run_id, verdict.to_json(), "verdict.json")
 
     # -- engine configurations (the end-to-end stage) ------------------------------
-    def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate) -> str:
+    def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate, reruns: str = "") -> str:
+        """A pending child run; a free kernel's source as `kernels/<op>.py` (its path is a scratch
+        file the flow removes), so that the configuration can be re-run."""
         tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
                 f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
                 f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(cand.to_dict(), sort_keys=True),
                 f"{T}proposer": cand.origin, f"{T}template": "engine", f"{T}pool_class": scope.gpu_class,
-                f"{T}gpu_class": scope.gpu_class}
+                f"{T}gpu_class": scope.gpu_class} | ({f"{T}reruns": reruns} if reruns else {})
         run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
         params = {"candidate.id": cand.id, "engine.block_size": cand.block_size,
                   "engine.max_num_seqs": cand.max_num_seqs,
@@ -193,6 +203,9 @@ class Tracker:
                   "engine.cuda_graph_max_batch": cand.cuda_graph_max_batch}
         params |= {f"kernel.{op}": c.get("template") or c["impl"] for op, c in cand.kernels.items()}
         _batch(self.client, run.info.run_id, params=params)
+        for op, c in cand.kernels.items():
+            if c.get("impl") == "free" and Path(c["path"]).is_file():
+                self.client.log_text(run.info.run_id, Path(c["path"]).read_text(), f"kernels/{op}.py")
         return run.info.run_id
 
     def finish_engine_candidate(self, run_id: str, verdict: Verdict, metrics: dict[str, float], charge: Charge,

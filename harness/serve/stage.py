@@ -6,9 +6,11 @@ several replicas gets that many copies of the candidate (and of the baseline), e
 GPU, behind one load balancer, and every replica answers the accuracy prompts."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import random
 import shlex
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +46,31 @@ def judge_replicas(replicas: list[list[Completion]], expected: list[Completion],
         ties += metrics["accuracy/near_ties"]
     return True, "; ".join(details), {"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
                                       "accuracy/near_ties": ties}
+
+
+def host_versions(job: ServeJob) -> dict:
+    """What the servers run on (the versions of job.python's packages, the GPU of the first replica,
+    the driver), without importing torch or initializing CUDA here: a re-run is compared with it."""
+    def version(package: str) -> str | None:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def smi(field: str) -> str | None:
+        cmd = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader", f"--id={job.devices[0] or 0}"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError, IndexError):
+            return None
+
+    torch = version("torch") or ""
+    cuda = torch.partition("+cu")[2] if job.device == "cuda" else ""  # the wheel's build, e.g. 2.9.0+cu128
+    return {"kind": job.device, "torch": torch, "triton": version("triton"), "gpu_timing": job.device == "cuda",
+            "name": smi("name") if job.device == "cuda" else "cpu",
+            "cuda": f"{cuda[:-1]}.{cuda[-1]}" if cuda else None,
+            "driver": smi("driver_version") if job.device == "cuda" else None}
 
 
 def reference_argv(job: ServeJob, port: int) -> list[str]:
@@ -125,7 +152,8 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
                     reference: Reference, out: Path) -> Served:
     """Start the candidate's replicas (argv_for(replica, port)), judge each one's accuracy, then
     load them (through the balancer when several) with every pattern."""
-    verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"])
+    verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"],
+                      device=host_versions(job))
     result = Served(verdict)
     t0 = time.monotonic()
     with Replicas("candidate", argv_for, job.replica_envs, out, job.python) as server:
