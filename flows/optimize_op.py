@@ -23,7 +23,7 @@ from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
 from tracking.charts import log_optimization_charts
-from tracking.cost import Cost, per_gain, per_gain_text
+from tracking.cost import per_gain_text
 from tracking.history import board, ceilings, trials
 from tracking.knowledge import KnowledgeBase, published_for, warm_points
 from tracking.knowledge.derive import write_drafts
