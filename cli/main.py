@@ -6,7 +6,7 @@ import sys
 
 from cli import engine, gauntlet, kb, mcp, op, pool, serve
 from cli.args import USAGE_ERROR, Parser, UsageError
-from tracking.errors import TrackingStoreError
+from tracking.errors import ArtifactStoreError, TrackingStoreError
 
 GROUPS = (op, kb, mcp, gauntlet, pool, serve, engine)
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except TrackingStoreError as e:
+    except (TrackingStoreError, ArtifactStoreError) as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return 1
     except Exception as e:

@@ -3,6 +3,7 @@ every traffic pattern, every metric against the baseline) until the budget; serv
 stage once, for one configuration or one server command."""
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -19,6 +20,7 @@ from proposers.engine import EngineProposer
 from targets import Target
 from tasks.reference import reference_task
 from tasks.serve import Baseline, EngineOutcome, evaluate_engine, one_line
+from tracking.artifacts import Results
 from tracking.history import engine_trials, kernel_choices
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
@@ -46,6 +48,8 @@ class Session:
         self.scope = RunScope(OP, target.model, target.serve_key(), classes.pop() if len(classes) == 1 else "mixed")
         ensure_limits(pool)
         self.tracker = Tracker(TrackingConfig.from_env())
+        self.results = Results(f"infersmith-{OP}")  # S3, when configured, is checked before anything runs
+        self.outcomes: dict[str, dict] = {}
         self.parent = self.tracker.start_parent(kind, self.scope, name, params={
             "target": target.model_dump(mode="json"), "model_dir": str(self.model_dir), **params})
         self.out = Path(tempfile.mkdtemp(prefix="infersmith-serve-"))
@@ -57,14 +61,21 @@ class Session:
 
     def evaluate(self, cand: EngineCandidate, command: str | None = None) -> EngineOutcome:
         run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand)
-        return evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker, self.reference,
-                               self.baseline, self.out / cand.id, command)
+        outcome = evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker,
+                                  self.reference, self.baseline, self.out / cand.id, command)
+        self.outcomes[run_id] = {"candidate": cand.to_dict(), "metrics": outcome.metrics,
+                                 "verdict": json.loads(outcome.verdict.to_json())}
+        return outcome
 
-    def finish(self, metrics: dict[str, float]) -> None:
-        self.tracker.finish_parent(self.parent, metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()}, {})
+    def finish(self, metrics: dict[str, float]) -> str | None:
+        """End the parent run; the results archive's S3 URI when S3 is configured."""
+        metrics = metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()}
+        self.tracker.finish_parent(self.parent, metrics, {})
         if (self.out / "baseline").is_dir():
             self.tracker.client.log_artifacts(self.parent, str(self.out / "baseline"), "baseline")
         shutil.rmtree(self.out, ignore_errors=True)
+        return self.results.publish(self.parent, {"metrics.json": metrics, "candidates.json": self.outcomes,
+                                                  "target.json": self.target.model_dump(mode="json")})
 
     def fail(self, e: BaseException) -> None:
         self.tracker.fail_parent(self.parent, f"{type(e).__name__}: {e}")
@@ -109,9 +120,10 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
         s.fail(e)
         raise
     metrics = {"candidates": done, "passed": passed} | ({"best_score": best} if best is not None else {})
-    s.finish(metrics)
-    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {best:.3g}x" if best else ""))
-    return {"parent_run_id": s.parent, **metrics}
+    archive = s.finish(metrics)
+    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {best:.3g}x" if best else "")
+          + (f"; results archive: {archive}" if archive else ""))
+    return {"parent_run_id": s.parent, "results": archive, **metrics}
 
 
 @flow(name="serve-bench", log_prints=True)
