@@ -122,8 +122,13 @@ def shapes_fit(op, target) -> None:
 
 
 def open_store() -> None:
-    """Open the tracking store before a flow starts: a store this MLflow cannot open is then one
-    line (TrackingStoreError, in main) rather than a traceback that Prefect logs from the flow."""
+    """Open the tracking store, and reach the S3 bucket when one is configured, before a flow starts:
+    a store this MLflow cannot open or a bucket out of reach is then one line (TrackingStoreError,
+    ArtifactStoreError, in main) rather than a traceback that Prefect logs from the flow."""
+    from tracking.artifacts import S3Store
     from tracking.store import TrackingConfig, client
 
     client(TrackingConfig.from_env())
+    store = S3Store.from_env()
+    if store is not None:
+        store.check()

@@ -4,11 +4,11 @@ from __future__ import annotations
 import os
 import sys
 
-from cli import engine, gauntlet, kb, mcp, op, pool, rerun, serve, tracking
+from cli import engine, gauntlet, kb, mcp, op, platform, pool, rerun, serve, tracking
 from cli.args import USAGE_ERROR, Parser, UsageError
-from tracking.errors import TrackingStoreError
+from tracking.errors import ArtifactStoreError, TrackingStoreError
 
-GROUPS = (op, tracking, rerun, kb, mcp, gauntlet, pool, serve, engine)
+GROUPS = (op, tracking, rerun, kb, mcp, gauntlet, pool, serve, engine, platform)
 
 
 def _prefect_unreachable(e: BaseException) -> str | None:
@@ -47,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "budget", 1) < 1:
             raise UsageError("--budget must be at least 1")
-        return args.fn(args)
+        with platform.using_stack(args.command):
+            return args.fn(args)
     except UsageError as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except TrackingStoreError as e:
+    except (TrackingStoreError, ArtifactStoreError) as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return 1
     except Exception as e:

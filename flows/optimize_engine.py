@@ -3,6 +3,7 @@ every traffic pattern, every metric against the baseline) until the budget; serv
 stage once, for one configuration or one server command."""
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -20,6 +21,7 @@ from proposers.engine import EngineProposer
 from targets import Target
 from tasks.reference import reference_task
 from tasks.serve import Baseline, EngineOutcome, evaluate_engine, one_line
+from tracking.artifacts import Results
 from tracking.cost import FlowCost, per_gain_text
 from tracking.history import engine_board, engine_trials, kernel_choices
 from tracking.ledger import Charge
@@ -50,6 +52,8 @@ class Session:
         self.scope = RunScope(OP, target.model, target.serve_key(), classes.pop() if len(classes) == 1 else "mixed")
         ensure_limits(pool)
         self.tracker = Tracker(TrackingConfig.from_env())
+        self.results = Results(f"infersmith-{OP}")  # S3, when configured, is checked before anything runs
+        self.outcomes: dict[str, dict] = {}
         self.parent = self.tracker.start_parent(kind, self.scope, name, params={
             "target": target.model_dump(mode="json"), "model_dir": str(self.model_dir), **params}, tags=tags)
         self.out = Path(tempfile.mkdtemp(prefix="infersmith-serve-"))
@@ -67,6 +71,8 @@ class Session:
         run_id = self.tracker.open_engine_candidate(self.parent, self.scope, cand, reruns)
         outcome = evaluate_engine(cand, run_id, self.target, self.model_dir, self.slots, self.tracker, self.reference,
                                   self.baseline, self.out / cand.id, command)
+        self.outcomes[run_id] = {"candidate": cand.to_dict(), "metrics": outcome.metrics,
+                                 "verdict": json.loads(outcome.verdict.to_json())}
         self.cost.add(outcome.charge)
         score = outcome.metrics.get("score") if outcome.verdict.status == PASS else None
         if score is not None:
@@ -75,7 +81,8 @@ class Session:
 
     def finish(self, metrics: dict[str, float], reason: str) -> dict[str, float]:
         """Totals on the parent run (the reference's and baseline's GPU time with the candidates'),
-        the engine leaderboard and the summary as Prefect artifacts; returns the parent's metrics."""
+        the engine leaderboard and the summary as Prefect artifacts, and the results archive on S3
+        when S3 is configured (its URI as `results`); returns the parent's metrics."""
         self.cost.add(self.reference_charge, "reference")
         self.cost.add(self.baseline.charge, "baseline")
         metrics = metrics | self.cost.metrics(self.best) | ({"best_score": self.best} if self.best else {})
@@ -93,7 +100,9 @@ class Session:
         if (self.out / "baseline").is_dir():
             self.tracker.client.log_artifacts(self.parent, str(self.out / "baseline"), "baseline")
         shutil.rmtree(self.out, ignore_errors=True)
-        return metrics
+        archive = self.results.publish(self.parent, {"metrics.json": metrics, "candidates.json": self.outcomes,
+                                                     "target.json": self.target.model_dump(mode="json")})
+        return metrics | ({"results": archive} if archive else {})
 
     def fail(self, e: BaseException) -> None:
         self.tracker.fail_parent(self.parent, f"{type(e).__name__}: {e}")
@@ -139,8 +148,10 @@ def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, ke
               else "wall-clock budget spent" if time.monotonic() - started >= target.budget.wall_clock_s
               else "the proposer has nothing new")
     metrics = s.finish({"candidates": done, "passed": passed}, reason)
-    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {s.best:.3g}x" if s.best else ""))
-    return {"parent_run_id": s.parent, **metrics}
+    archive = metrics.pop("results", None)
+    print(f"stopped after {done} candidates; {passed} passed" + (f", best score {s.best:.3g}x" if s.best else "")
+          + (f"; results archive: {archive}" if archive else ""))
+    return {"parent_run_id": s.parent, "results": archive, **metrics}
 
 
 @flow(name="serve-bench", log_prints=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Literal
 
 from prefect import flow
@@ -11,7 +12,7 @@ from prefect.runtime import flow_run
 
 from contract.job import Candidate, Shape
 from contract.verdict import PASS, Verdict
-from engine_templates.ops import get_op
+from engine_templates.ops import OPS, get_op
 from flows import approval
 from flows.progress import Progress
 from gpu_pool.health import HEALTH
@@ -22,6 +23,7 @@ from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
 from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
 from tasks.propose import propose, propose_code
+from tracking.artifacts import Results
 from tracking.charts import log_optimization_charts
 from tracking.cost import per_gain_text
 from tracking.history import board, ceilings, trials
@@ -32,6 +34,8 @@ from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
 ProposerName = Literal["random", "tpe", "llm"]
+# The op parameter's type: the Prefect UI offers the ops as choices and refuses any other name.
+OpName = Literal[tuple(OPS)]
 
 
 def scope_for(op: str, target: Target, pool: Pool) -> RunScope:
@@ -101,7 +105,7 @@ def time_on_held_out(passed: list[Outcome], target: Target, slots: list[Slot], t
 
 
 @flow(name="optimize-op", log_prints=True)
-def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: ProposerName = "tpe",
+def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: ProposerName = "tpe",
                 template: str | None = None, seed: int = 0, pool: Pool | None = None,
                 llm: LLMSettings | None = None, warm_start: bool = True) -> dict:
     """Optimize one op for one target: every candidate, passing or not, becomes an MLflow run.
@@ -121,6 +125,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
+    results = Results(f"infersmith-{op}")  # S3, when configured, is checked before anything runs
     proposer_seed = flow_seed(seed)
     params = {"target": target.model_dump(mode="json"), "proposer": proposer, "template": kind,
               "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots], "warm_start": warm_start}
@@ -140,6 +145,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
     progress = Progress(target)
     held_out = target.held_out_shapes(spec)
     passed: list[Outcome] = []
+    verdicts: dict[str, dict] = {}  # the results archive's, by run id
     coder = LLMProposer(op, target, llm, [e.body for e in published_for(op, scope.gpu_class, kb)]) if llm else None
     orphans = tracker.orphaned_pending(scope, kind)
     if orphans:
@@ -151,6 +157,7 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
 
     def report(o: Outcome) -> None:
         progress.record(o)
+        verdicts[o.run_id] = json.loads(o.verdict.to_json())
         if o.verdict.score() is not None:
             passed.append(o)
         print(f"[{progress.done}/{target.budget.candidates}] {o.candidate.label}"
@@ -239,7 +246,13 @@ def optimize_op(op: str = "rmsnorm", target: Target = Target(), proposer: Propos
                                             "held_out.json": [s.to_dict() for s in held_out],
                                             "knowledge.json": {"drafts": drafts,
                                                                "warm_start": [ids for _, ids in warm]}})
-    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, "drafts": drafts, **metrics}
+    archive = results.publish(parent, {"leaderboard.json": rows, "metrics.json": metrics,
+                                       "stop_reason.json": {"reason": reason}, "verdicts.json": verdicts,
+                                       "target.json": target.model_dump(mode="json")})
+    if archive:
+        print(f"results archive: {archive}")
+    return {"parent_run_id": parent, "stop_reason": reason, "endpoint_down": down, "drafts": drafts, "results": archive,
+            **metrics}
 
 
 def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str) -> None:

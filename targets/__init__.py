@@ -190,7 +190,9 @@ class Target(BaseModel):
     """A model preset, a precision, the shapes of its traffic, where to run, what to beat."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str = Field("qwen3-8b", description=f"model preset: {', '.join(PRESETS)}")
+    # The enum: the Prefect UI offers the presets as choices and its validation refuses any other.
+    model: str = Field("qwen3-8b", description=f"model preset: {', '.join(PRESETS)}",
+                       json_schema_extra={"enum": list(PRESETS)})
     dtype: DType = "bf16"
     workload: Workload = Field(default_factory=Workload)
     gpu_class: GPUClass = "any"

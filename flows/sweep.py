@@ -1,0 +1,86 @@
+"""sweep: every op of a plan on every target of it, each an optimize-op subflow; the nightly job.
+
+A plan is a YAML file (infra/sweep.yaml is the one `infersmith deploy` schedules by default),
+validated into a SweepPlan at the edge: an unknown op or preset, or an op that a target's model
+cannot take, is refused before anything runs — by the CLI in one line, by the Prefect UI's form.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from prefect import flow
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine_templates.ops import get_op
+from flows.optimize_op import OpName, ProposerName, optimize_op
+from gpu_pool.pool import Pool
+from targets import Target
+
+
+class SweepPlan(BaseModel):
+    """What a sweep optimizes: each op for each target, in that order."""
+
+    model_config = ConfigDict(extra="forbid")
+    ops: list[OpName] = Field(min_length=1, description="ops to optimize, each on every target")
+    targets: list[Target] = Field(min_length=1, description="targets: model, dtype, shapes, GPU class, budget")
+    proposer: ProposerName = "tpe"
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ops_fit_targets(self) -> SweepPlan:
+        # fused_moe on a dense preset, say: refused now rather than one failed subflow at night
+        for i, target in enumerate(self.targets):
+            w = target.workload
+            for op in self.ops:
+                try:
+                    get_op(op).shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+                except ValueError as e:
+                    raise ValueError(f"targets[{i}] ({target.model}) cannot take {op}: {e}") from None
+        return self
+
+
+class SweepFileError(ValueError):
+    """A sweep file that cannot be used; the message is one line naming the file and field."""
+
+
+def load_plan(path: Path | str) -> SweepPlan:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise SweepFileError(f"{path}: cannot read: {e.strerror}") from None
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        raise SweepFileError(f"{path}: not a YAML file: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SweepFileError(f"{path}: expected a mapping with `ops:` and `targets:`")
+    try:
+        return SweepPlan.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc, msg = ".".join(str(x) for x in err["loc"]), err["msg"].removeprefix("Value error, ")
+        raise SweepFileError(f"{path}: {loc}: {msg}" if loc else f"{path}: {msg}") from None
+
+
+@flow(name="sweep", log_prints=True)
+def sweep(plan: SweepPlan, pool: Pool | None = None) -> list[dict]:
+    """Each op of the plan on each of its targets, one optimize-op subflow after another. A failed
+    optimization does not stop the others; the sweep fails at the end, naming every one that did."""
+    results, failed = [], []
+    for target in plan.targets:
+        for op in plan.ops:
+            name = f"{op} {target.model} {target.dtype}"
+            state = optimize_op.with_options(flow_run_name=name)(
+                op=op, target=target, proposer=plan.proposer, seed=plan.seed, pool=pool, return_state=True)
+            if state.is_completed():
+                results.append({"op": op, "target": target.key(), **state.result()})
+            else:
+                failed.append(f"{name}: {state.message or state.name}")
+    print(f"sweep: {len(results)} of {len(results) + len(failed)} optimizations completed")
+    if failed:
+        raise RuntimeError(f"{len(failed)} optimizations failed: " + "; ".join(failed))
+    return results
+
+
+if __name__ == "__main__":
+    sweep(load_plan(Path(__file__).resolve().parent.parent / "infra" / "sweep.yaml"))

@@ -1,0 +1,72 @@
+"""The sweep: a plan's every op on every target, each an optimize-op subflow; its file's errors."""
+from __future__ import annotations
+
+import pytest
+
+# Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
+# not the capsys stream of whichever test would import it first (closed after that test).
+from prefect import flow  # noqa: F401
+
+from cli.main import main
+from flows.sweep import SweepPlan, load_plan, sweep
+from tracking.schema import T, Tracker
+from tracking.store import TrackingConfig
+
+
+@pytest.mark.parametrize("body, message", [
+    ("ops: [rmsnorm, nope]\ntargets: [{model: tiny}]\n", "ops.1: Input should be 'rmsnorm', 'silu_mul'"),
+    ("ops: [rmsnorm]\ntargets: [{model: qwen9}]\n", "targets.0.model: unknown model preset 'qwen9'; known: "),
+    ("ops: [fused_moe]\ntargets: [{model: tiny}]\n", "targets[0] (tiny) cannot take fused_moe: fused_moe needs a "
+                                                      "mixture-of-experts preset; tiny is dense"),
+    ("ops: [rmsnorm]\ntargets: []\n", "targets: List should have at least 1 item"),
+    ("ops: [rmsnorm]\ntargets: [{model: tiny}]\nbudget: 3\n", "budget: Extra inputs are not permitted"),
+    ("- rmsnorm\n", "expected a mapping with `ops:` and `targets:`"),
+    ("ops: [rmsnorm\n", "not a YAML file"),
+])
+def test_a_bad_sweep_file_is_one_line_and_exit_2(tmp_path, capsys, body, message):
+    path = tmp_path / "plan.yaml"
+    path.write_text(body)
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"infersmith: {path}: {message}") and err.count("\n") == 1
+
+
+def test_a_missing_sweep_file_is_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["sweep", str(tmp_path / "none.yaml")]) == 2
+    assert capsys.readouterr().err == f"infersmith: {tmp_path / 'none.yaml'}: cannot read: No such file or directory\n"
+
+
+def test_the_shipped_nightly_plan_is_valid():
+    from cli.platform import DEFAULT_SWEEP
+
+    plan = load_plan(DEFAULT_SWEEP)
+    assert plan.ops and {t.model for t in plan.targets} >= {"qwen3-8b"}
+
+
+def test_every_op_runs_on_every_target_as_subflows_and_a_failed_one_does_not_stop_the_rest(
+        prefect_server, tracking_home):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    # the first target asks for a GPU class this machine lacks: both its optimizations fail at once
+    plan = SweepPlan(ops=["silu_mul", "rmsnorm"], proposer="random", targets=[
+        {"model": "tiny", "gpu_class": "h100"}, {"model": "tiny", "dtype": "fp32", "budget": {"candidates": 1}}])
+    state = sweep(plan, return_state=True)
+    assert state.is_failed()
+    assert state.message.endswith(
+        "2 optimizations failed: silu_mul tiny bf16: Flow run encountered an exception: ValueError: the pool has "
+        "no host of GPU class 'h100'; rmsnorm tiny bf16: Flow run encountered an exception: ValueError: the pool "
+        "has no host of GPU class 'h100'")
+
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])))
+    by_name = {r.name: r.state.type.value for r in subflows}
+    assert by_name == {"silu_mul tiny bf16": "FAILED", "rmsnorm tiny bf16": "FAILED",
+                       "silu_mul tiny fp32": "COMPLETED", "rmsnorm tiny fp32": "COMPLETED"}
+
+    tracker = Tracker(TrackingConfig.from_env())
+    for op in ("silu_mul", "rmsnorm"):
+        [parent] = tracker.client.search_runs([tracker.experiment(op)], f"tags.`{T}kind` = 'optimization' and "
+                                              f"tags.`{T}target` LIKE 'tiny/fp32/%' and params.proposer = 'random'")
+        assert parent.info.status == "FINISHED" and parent.data.metrics["candidates"] == 1
