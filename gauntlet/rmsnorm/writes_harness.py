@@ -5,7 +5,7 @@ import sys
 import torch
 
 for entry in sys.path:
-    if os.path.isfile(os.path.join(entry, "harness", "verdict.py")):
+    if os.path.isfile(os.path.join(entry, "harness", "supervisor.py")):
         with open(os.path.join(entry, "harness", "planted_by_candidate.py"), "w") as f:
             f.write("STATUS = 'pass'\n")
 
