@@ -139,7 +139,8 @@ def candidate_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> di
         path.write_text(source)
         kernels[op] = kernels[op] | {"path": str(path)}
     cand = EngineCandidate.from_dict(cand.to_dict() | {"kernels": kernels})
-    served = serve(job, cand, ControllerJudged(spec["prompts"], run_dir / "exchange"), out, spec.get("command"))
+    reference = ControllerJudged(spec["prompts"], run_dir / "exchange")
+    served = serve(job, cand, reference, out, spec.get("command"), judge_with=reference.judge)
     return {"verdict": json.loads(served.verdict.to_json()), "runs": runs_to_dict(served.runs, out),
             "metrics": served.metrics}
 

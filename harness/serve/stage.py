@@ -24,6 +24,7 @@ from harness.serve.accuracy import REFERENCE_TOP, complete, judge, prompt_set
 from harness.serve.baselines import ENGINES
 from harness.serve.server import Replicas, ServerProcess
 
+Judge = Callable[[list[list[Completion]], object], tuple[bool, str, dict]]  # (every replica's answers, rules)
 SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
 
@@ -149,9 +150,10 @@ def _load_baseline(job: ServeJob, server: Replicas, out: Path) -> dict[str, aipe
 
 
 def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, int], list[str]],
-                    reference: Reference, out: Path) -> Served:
-    """Start the candidate's replicas (argv_for(replica, port)), judge each one's accuracy, then
-    load them (through the balancer when several) with every pattern."""
+                    reference: Reference, out: Path, judge_with: Judge | None = None) -> Served:
+    """Start the candidate's replicas (argv_for(replica, port)), judge each one's accuracy (against
+    reference's answers, or by judge_with where this side holds none), then load them (through
+    the balancer when several) with every pattern."""
     verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"],
                       device=host_versions(job))
     result = Served(verdict)
@@ -162,7 +164,7 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
         except ServerError as e:
             verdict.crash("server_start", str(e))
         if verdict.status == PASS:
-            _accuracy(server, job, reference, result)
+            _accuracy(server, job, reference, result, judge_with)
         for p in job.patterns if verdict.status == PASS else ():
             before = engine_stats(server)
             try:
@@ -217,14 +219,18 @@ def speculation(pattern: str, before: list[dict], after: list[dict]) -> dict[str
     return out | ({f"{pattern}/spec_acceptance_rate": accepted / drafted} if drafted else {})
 
 
-def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path, command: str | None = None) -> Served:
+def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path, command: str | None = None,
+          judge_with: Judge | None = None) -> Served:
     """The serve stage for an engine configuration, or for any server `command` starts."""
     if command is None:
-        return serve_candidate(job, cand.id, lambda _, port: engine_argv(job, cand, out, port), reference, out)
-    return serve_candidate(job, cand.id, lambda i, port: command_argv(command, job, port, i), reference, out)
+        return serve_candidate(job, cand.id, lambda _, port: engine_argv(job, cand, out, port), reference, out,
+                               judge_with)
+    return serve_candidate(job, cand.id, lambda i, port: command_argv(command, job, port, i), reference, out,
+                           judge_with)
 
 
-def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served) -> None:
+def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served,
+              judge_with: Judge | None) -> None:
     """Every replica answers every prompt, straight (not through the balancer, which would spread
     them), all at once; the reference judges them all: a replica that is wrong fails the gate
     like a lone server."""
@@ -246,7 +252,10 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
                 result.verdict.gate("accuracy", False, f"{f'replica {k}: ' if several else ''}no usable greedy "
                                                        f"completion with logprobs: {type(e).__name__}: {e}")
             return
-    passed, detail, metrics = judge_replicas(got, reference.completions, job.accuracy)
+    if judge_with is None:
+        passed, detail, metrics = judge_replicas(got, reference.completions, job.accuracy)
+    else:
+        passed, detail, metrics = judge_with(got, job.accuracy)
     result.metrics.update(metrics)
     result.verdict.gate("accuracy", passed, detail)
 
