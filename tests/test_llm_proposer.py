@@ -33,6 +33,16 @@ def fenced(code: str, words: str = "Here is the module.") -> str:
 
 
 @pytest.fixture
+def tracking_home(tmp_path, monkeypatch) -> Path:
+    """A store of this test's own: the prompt's history is then this flow's candidates only, not
+    the better-scoring rmsnorm candidates other tests of the session left for the same target."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("INFERSMITH_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return home
+
+
+@pytest.fixture
 def key(monkeypatch) -> str:
     value = "sk-test-" + secrets.token_hex(16)
     monkeypatch.setenv(KEY_ENV, value)
