@@ -8,6 +8,7 @@ module path, so a worker runs them wherever infersmith is installed, from any di
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from prefect.client.orchestration import get_client
@@ -19,10 +20,12 @@ from prefect.workers.process import ProcessWorker
 
 from flows.optimize_engine import optimize_engine
 from flows.optimize_op import optimize_op
+from flows.revalidate import revalidate
 from flows.sweep import SweepPlan, sweep
 from gpu_pool.pool import Pool
 
-SCHEDULE_SLUG = "nightly"  # names the sweep's schedule, so a redeploy updates it rather than adding one
+SCHEDULE_SLUG = "nightly"  # names a nightly schedule, so a redeploy updates it rather than adding one
+NIGHTLY = ("sweep", "revalidate")  # the flows deployed on the nightly schedule: the sweep and, beside it, revalidate
 DEFAULT_WORK_POOL = "infersmith"
 
 
@@ -43,21 +46,26 @@ class DeploySettings:
         return f"{flow_name}-{self.work_pool.removeprefix(DEFAULT_WORK_POOL + '-')}"
 
 
-def declarations(s: DeploySettings, schedule: bool = True) -> list[RunnerDeployment]:
-    """Every deployment, as Prefect objects; nothing is registered yet. Without `schedule` the sweep
-    is declared with no schedule, which leaves the one the server has as it is."""
+def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> list[RunnerDeployment]:
+    """Every deployment, as Prefect objects; nothing is registered yet. A nightly flow not in
+    `scheduled` is declared with no schedule, which leaves the one the server has as it is."""
     common = {"work_pool_name": s.work_pool, "entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["infersmith"]}
     pool = {"pool": s.pool.model_dump(mode="json")} if s.pool else {}
-    nightly = [Cron(s.cron, timezone=s.timezone, active=s.active, slug=SCHEDULE_SLUG)] if schedule else None
+
+    def nightly(name: str) -> list[Cron] | None:
+        return [Cron(s.cron, timezone=s.timezone, active=s.active, slug=SCHEDULE_SLUG)] if name in scheduled else None
+
     return [
         optimize_op.to_deployment(s.name(optimize_op.name), parameters=pool, description="Optimize one op for one "
                                   "target: every candidate a child run of the op's MLflow experiment.", **common),
         optimize_engine.to_deployment(s.name(optimize_engine.name), parameters=pool, description="Search engine "
                                       "configurations end to end against the target's baseline.", **common),
         sweep.to_deployment(s.name(sweep.name), parameters={"plan": s.plan.model_dump(mode="json"), **pool},
-                            schedules=nightly, description="Every op of the plan on every target of it, each an "
-                            "optimize-op subflow.", **common),
-        # revalidate: its flow's to_deployment(...) is added to this list, and deploy registers it too.
+                            schedules=nightly(sweep.name), description="Every op of the plan on every target of "
+                            "it, each an optimize-op subflow.", **common),
+        revalidate.to_deployment(s.name(revalidate.name), parameters=pool, schedules=nightly(revalidate.name),
+                                 description="Today's winners run again on today's torch, triton, CUDA and driver; "
+                                 "a regression fails the run, with an artifact naming it.", **common),
     ]
 
 
@@ -86,10 +94,10 @@ def _exists(full_name: str) -> bool:
 
 
 def register(s: DeploySettings, schedule: bool = True) -> list[str]:
-    """Register every deployment on the server; their full names. `schedule` False keeps the sweep's
-    schedule as the server has it (edited or paused in the UI), once the sweep deployment exists."""
+    """Register every deployment on the server; their full names. `schedule` False keeps a nightly
+    flow's schedule as the server has it (edited or paused in the UI), once its deployment exists."""
     ensure_work_pool(s.work_pool)
-    deployments = declarations(s, schedule or not _exists(sweep_name(s)))
+    deployments = declarations(s, [name for name in NIGHTLY if schedule or not _exists(f"{name}/{s.name(name)}")])
     for d in deployments:
         d.apply()
     return [d.full_name for d in deployments]

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import NonNegativeFloat
 
+from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
+from flows.optimize_op import OpName
 from flows.reproduce import RERUN_ERRORS, rerun
 from gpu_pool.pool import Pool, local_pool
 from targets import GPUClass
@@ -22,6 +25,8 @@ from tracking.history import winners
 from tracking.replay import logged, versions
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
+
+PresetName = Literal[tuple(PRESETS)]  # the Prefect UI offers the presets as choices
 
 
 class Regressed(Exception):
@@ -37,7 +42,7 @@ def _versions(v: dict[str, str]) -> str:
 
 
 @flow(name="revalidate", log_prints=True)
-def revalidate(ops: list[str] | None = None, model: str | None = None, gpu_class: GPUClass = "any",
+def revalidate(ops: list[OpName] | None = None, model: PresetName | None = None, gpu_class: GPUClass = "any",
                engine: bool = True, include_cpu_timed: bool = False, slack: NonNegativeFloat = 0.05,
                engine_slack: NonNegativeFloat = 0.10, pool: Pool | None = None,
                model_dir: str | None = None) -> dict:
@@ -49,9 +54,6 @@ def revalidate(ops: list[str] | None = None, model: str | None = None, gpu_class
     tracker = Tracker(TrackingConfig.from_env())
     pool = pool or local_pool()
     classes = {h.gpu_class for h in pool.hosts}
-    unknown = sorted(set(ops or ()) - set(OPS))
-    if unknown:
-        raise ValueError(f"unknown op {', '.join(unknown)}; known: {', '.join(sorted(OPS))}")
     names = list(OPS if ops is None else ops) + (["engine"] if engine else [])
     found = [(op, run) for op in names for run in winners(tracker, op, model, None if gpu_class == "any" else gpu_class,
                                                         gpu_timing=not include_cpu_timed)]

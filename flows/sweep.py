@@ -10,12 +10,16 @@ from pathlib import Path
 
 import yaml
 from prefect import flow
+from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_templates.ops import get_op
 from flows.optimize_op import OpName, ProposerName, optimize_op
 from gpu_pool.pool import Pool
 from targets import Target
+from tracking.cost import sweep_totals
+from tracking.schema import Tracker
+from tracking.store import TrackingConfig
 
 
 class SweepPlan(BaseModel):
@@ -77,9 +81,24 @@ def sweep(plan: SweepPlan, pool: Pool | None = None) -> list[dict]:
             else:
                 failed.append(f"{name}: {state.message or state.name}")
     print(f"sweep: {len(results)} of {len(results) + len(failed)} optimizations completed")
+    spend(results)
     if failed:
         raise RuntimeError(f"{len(failed)} optimizations failed: " + "; ".join(failed))
     return results
+
+
+def spend(results: list[dict]) -> None:
+    """What the sweep cost: each optimization's GPU-hours, dollars and cost per gain, and their sum
+    (tracking.cost.sweep_totals) as the last row of the `sweep-cost` table artifact."""
+    totals = sweep_totals(Tracker(TrackingConfig.from_env()), [r["parent_run_id"] for r in results])
+    keys = ("gpu_hours", "cost_usd", "proposer_tokens", "proposer_usd", "total_usd")
+    rows = [{"optimization": f"{r['op']} {r['target']}", **{k: r.get(k, 0.0) for k in keys},
+             "gain_pct": r.get("gain_pct"), "usd_per_pct_gain": r.get("usd_per_pct_gain")} for r in results]
+    rows.append({"optimization": f"sweep: {len(results)} optimizations", **{k: totals[k] for k in keys},
+                 "gain_pct": None, "usd_per_pct_gain": None})
+    print(f"sweep spent {totals['gpu_hours']:.3g} GPU-h, ${totals['total_usd']:.2f}")
+    create_table_artifact(rows, key="sweep-cost", description="what each optimization of the sweep cost, "
+                          "and the sweep in all (its last row)")
 
 
 if __name__ == "__main__":

@@ -187,10 +187,13 @@ def test_the_platform_on_one_machine(stack, browser, subtests, monkeypatch, caps
 def registered(stack: Stack) -> None:
     with stack.client() as client:
         names = {f"{client.read_flow(d.flow_id).name}/{d.name}" for d in client.read_deployments()}
-        assert names == {"optimize-op/optimize-op", "optimize-engine/optimize-engine", "sweep/sweep"}
+        assert names == {"optimize-op/optimize-op", "optimize-engine/optimize-engine", "sweep/sweep",
+                         "revalidate/revalidate"}
         sweep = client.read_deployment_by_name("sweep/sweep")
         [nightly] = sweep.schedules
         assert (nightly.schedule.cron, nightly.schedule.timezone, nightly.active) == (CRON, TIMEZONE, True)
+        [beside] = client.read_deployment_by_name("revalidate/revalidate").schedules  # the same night
+        assert (beside.schedule.cron, beside.schedule.timezone, beside.active) == (CRON, TIMEZONE, True)
         assert sweep.parameters["plan"]["ops"] == ["rmsnorm"]
         assert sweep.parameters["plan"]["targets"][0]["model"] == "tiny"
         assert client.read_work_pool("infersmith").type == "process"
@@ -258,6 +261,7 @@ def deployed(stack: Stack, monkeypatch, capsys, tmp_path) -> None:
         [nightly] = client.read_deployment_by_name("sweep/sweep-h100").schedules
         assert (nightly.schedule.cron, nightly.active) == ("0 2 * * *", False)  # the example plan: paused
         assert client.read_deployment_by_name("sweep/sweep").schedules[0].schedule.cron == "0 4 * * 6"
+        assert client.read_deployment_by_name("revalidate/revalidate").schedules[0].schedule.cron == CRON
         assert client.read_work_pool("infersmith-h100").type == "process"
 
 

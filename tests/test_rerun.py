@@ -222,3 +222,24 @@ def test_reproduce_serves_an_engine_configuration_again_and_counts_the_reference
     assert code == 0, out
     assert "the same verdict: fail then, fail now [accuracy]" in out
     assert any(line.split() == ["verdict", "fail", "[accuracy]", "fail", "[accuracy]"] for line in out.splitlines())
+
+
+def test_revalidate_is_deployed_beside_the_sweep_on_the_nightly_schedule():
+    """Its form is the flow's typed parameters; a redeploy may leave a schedule edited in the UI as it is."""
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.deployments import DeploySettings, declarations
+    from flows.sweep import SweepPlan
+
+    settings = DeploySettings(plan=SweepPlan(ops=["rmsnorm"], targets=[{"model": "tiny"}]), work_pool="infersmith",
+                              cron="0 2 * * *", timezone="Europe/Paris", active=True)
+    by_name = {d.name: d for d in declarations(settings)}
+    nightly = {name: [(c.schedule.cron, c.schedule.timezone) for c in d.schedules or []]
+               for name, d in by_name.items()}
+    assert nightly["revalidate"] == nightly["sweep"] == [("0 2 * * *", "Europe/Paris")]
+    form = parameter_schema(revalidate)  # what the deployment's form is made from
+    assert {"ops", "model", "gpu_class", "engine", "include_cpu_timed", "slack", "engine_slack", "pool",
+            "model_dir"} <= set(form.properties)
+    text = json.dumps(form.model_dump())
+    assert '"rmsnorm"' in text and '"qwen3-8b"' in text  # ops and presets offered as choices
+    assert not declarations(settings, scheduled=["sweep"])[-1].schedules

@@ -1,11 +1,14 @@
 """The sweep: a plan's every op on every target, each an optimize-op subflow; its file's errors."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
+from prefect.artifacts import Artifact
 
 from cli.main import main
 from flows.sweep import SweepPlan, load_plan, sweep
@@ -66,7 +69,18 @@ def test_every_op_runs_on_every_target_as_subflows_and_a_failed_one_does_not_sto
                        "silu_mul tiny fp32": "COMPLETED", "rmsnorm tiny fp32": "COMPLETED"}
 
     tracker = Tracker(TrackingConfig.from_env())
+    parents = []
     for op in ("silu_mul", "rmsnorm"):
         [parent] = tracker.client.search_runs([tracker.experiment(op)], f"tags.`{T}kind` = 'optimization' and "
                                               f"tags.`{T}target` LIKE 'tiny/fp32/%' and params.proposer = 'random'")
         assert parent.info.status == "FINISHED" and parent.data.metrics["candidates"] == 1
+        parents.append(parent.data.metrics)
+
+    # What the sweep cost: its completed optimizations', and their sum as the last row.
+    rows = Artifact.get("sweep-cost").data
+    rows = json.loads(rows) if isinstance(rows, str) else rows
+    assert [r["optimization"].split()[0] for r in rows] == ["silu_mul", "rmsnorm", "sweep:"]
+    for name in ("gpu_hours", "total_usd"):
+        assert [r[name] for r in rows[:2]] == pytest.approx([m[name] for m in parents])
+        assert rows[-1][name] == pytest.approx(sum(m[name] for m in parents))
+    assert rows[-1]["gpu_hours"] > 0  # (this machine has no price: no dollars)
