@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import time
 from typing import BinaryIO, Callable
 
 import torch
@@ -15,8 +16,8 @@ from contract.verdict import BEYOND_TOLERANCE, PASS, ShapeTiming, Verdict
 from engine_templates import ceilings
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
+from harness import baselines, timing
 from harness import device as devices
-from harness import timing
 from harness.channel import CutOff, ProtocolError, read_frame
 from harness.checks import judge
 from harness.deadline import Deadline
@@ -24,8 +25,11 @@ from harness.stages import shapes_by_label
 
 
 class Judge:
-    def __init__(self, job: Job, v: Verdict):
-        self.job, self.v, self.op = job, v, get_op(job.candidate.op)
+    def __init__(self, job: Job, v: Verdict, sources: dict[str, str] | None = None):
+        """`sources`: the worker's trees as the supervisor hashed them (the baselines' key)."""
+        self.job, self.v, self.op, self.sources = job, v, get_op(job.candidate.op), sources or {}
+        self.marks: dict[str, float] = {}  # when the sandbox said isolation, loading, done
+        self.book: baselines.Book | None = None
         self.device = devices.pick(job.device)
         self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
         v.device = devices.describe(self.device)
@@ -55,7 +59,10 @@ class Judge:
             n = timing.rotation_count(nbytes, l2) if self.device == "cuda" else 2
             items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
                           "graph": timing.by_graph(self.device, roof, self.job.rules.launch_bound_us)})
-        return {"shapes": items}
+        self.key = baselines.key(self.job, self.v.device, items, self.sources)
+        section = baselines.plan(self.job, self.key)
+        self.book = baselines.Book(section, [i["shape"] for i in items])
+        return {"shapes": items, "baselines": section}
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
@@ -87,10 +94,21 @@ class Judge:
 
     def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
         kind = header["kind"]
+        if kind in ("isolation", "loading", "done"):
+            if kind in self.marks:
+                raise ProtocolError(f"a second {kind} frame")
+            self.marks[kind] = time.perf_counter()
         if kind == "done":
             self.done = True
         elif kind == "isolation":
             self.v.device["isolation"] = str(header.get("detail", ""))
+        elif kind == "loading":
+            if self.book and (problem := self.book.start_loading()):
+                self.v.gate("protocol", False, problem)
+            elif self.book:
+                self.v.baselines = self.book.record(self.key)
+        elif kind in ("baseline", "drift") and self.book:
+            self.book.take(kind, header)
         elif kind == "gate":
             # The sandbox reports failed gates, names none of the harness's own, and passes one
             # gate only: `compile`, once every shape was called. A forged frame would otherwise
@@ -139,6 +157,8 @@ class Judge:
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.
             _check_timing(header)
+            if not self.book.loaded:
+                raise ProtocolError(f"a timing frame for {header['label']} before the candidate was loaded")
             graph_outputs = header["graph_outputs"]
             if header["label"] in self.graph_outputs or graph_outputs < 0:
                 self.v.gate("protocol", False, f"a timing frame for {header['label']} announcing {graph_outputs} "
@@ -146,8 +166,9 @@ class Judge:
                                                "at least 0")
                 return
             roof, nbytes, flops = self.roofline[header["label"]]
-            fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
-                                             "compile_us", "method")}
+            fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "method")}
+            base = self.book.shapes[header["label"]]  # measured before the candidate loaded
+            fields |= {"eager_us": base["eager_us"], "compile_us": base["compile_us"]}
             l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
             cover = header["sets"] * nbytes / l2 if l2 else 0.0
             self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops,
@@ -210,6 +231,17 @@ class Judge:
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
 
     # -- the end --------------------------------------------------------------
+    def note_phases(self, t0: float, started: float, end: float) -> None:
+        """Seconds of each part of the stage, as far as it got: preparing (screening, hashing,
+        starting the sandbox), the sandbox's start (to its first frame), the baselines (before
+        the candidate loaded), the candidate (loading it, and the stage's work) and the end."""
+        points = [("prepare", t0), ("sandbox", started), *((k, self.marks[k]) for k in ("isolation", "loading", "done")
+                                                            if k in self.marks), ("end", end)]
+        names = {"prepare": "prepare", "sandbox": "sandbox_start", "isolation": "baselines", "loading": "candidate",
+                 "done": "finish"}
+        for (name, at), (_, until) in zip(points, points[1:]):
+            self.v.phases[f"{self.job.stage}/{names[name]}"] = until - at
+
     def memory_exceeded(self, rss_mb: float) -> None:
         detail = (f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
                   f"{self.job.rules.memory_mb} MiB limit, and was killed")
@@ -301,8 +333,7 @@ def _check_timing(header: dict) -> None:
     """A timing frame has the fields the sandbox writes, of the types it writes them in."""
     dims = header.get("dims")
     ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
-          and all(_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat", "eager_us"))
-          and (header.get("compile_us") is None or _number(header["compile_us"]))
+          and all(_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat"))
           and isinstance(header.get("method"), str)
           and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
     if not ok:
