@@ -3,9 +3,6 @@ judges against its own oracle, the timings it turns into roofline numbers, and h
 sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
 from __future__ import annotations
 
-import itertools
-import json
-import random
 import time
 from typing import BinaryIO, Callable
 
@@ -13,14 +10,14 @@ import torch
 
 from contract.job import Job
 from contract.verdict import BEYOND_TOLERANCE, PASS, ShapeTiming, Verdict
-from engine_templates import ceilings
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
-from harness import baselines, timing
+from harness import baselines
 from harness import device as devices
-from harness.channel import CutOff, ProtocolError, read_frame
+from harness.channel import CutOff, ProtocolError, brief, check_timing, item_index, read_frame
 from harness.checks import judge
 from harness.deadline import Deadline
+from harness.plan import bench_plan, check_plan
 from harness.stages import shapes_by_label
 
 
@@ -41,28 +38,14 @@ class Judge:
         self.items: set[str] = set()  # every output item judged: the sandbox sends each once
         self.settles = 0  # settle frames answered: the sandbox numbers its own from 0
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
-        self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
+        self.plan = {"compile": dict, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
 
     def _bench_plan(self) -> dict:
-        ceil = ceilings.ceilings(self.device, self.v.device, self.job.rules.dtype)  # here, before the candidate runs
-        self.v.device["ceilings"] = ceil
-        if self.device == "cuda":
-            torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
-        l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
-        self.roofline, items = {}, []
-        for shape in self.job.shapes:
-            nbytes, flops = self.op.bytes(shape, self.dtype), self.op.flops(shape)
-            roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
-            self.roofline[shape.label] = (roof, nbytes, flops)
-            n = timing.rotation_count(nbytes, l2) if self.device == "cuda" else 2
-            items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
-                          "graph": timing.by_graph(self.device, roof, self.job.rules.launch_bound_us)})
-        self.key = baselines.key(self.job, self.v.device, items, self.sources)
-        section = baselines.plan(self.job, self.key)
-        self.book = baselines.Book(section, [i["shape"] for i in items])
-        return {"shapes": items, "baselines": section}
+        bench = bench_plan(self.job, self.op, self.device, self.v.device, self.sources)
+        self.roofline, self.key, self.book = bench.roofline, bench.key, bench.book
+        return bench.plan
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
@@ -118,7 +101,7 @@ class Judge:
             if (not isinstance(name, str) or name in HARNESS_GATES or type(crash) is not bool
                     or (crash and name != "baseline") or type(passed) is not bool
                     or (passed and not (name == "compile" and self.job.stage == "compile" and compiled and not crash))):
-                raise ProtocolError(f"a gate frame {_brief(header)}")
+                raise ProtocolError(f"a gate frame {brief(header)}")
             detail = str(header.get("detail", ""))
             self.v.crash(name, detail) if crash else self.v.gate(name, passed, detail)
         elif kind == "compiling" and self.job.stage == "compile":
@@ -156,7 +139,7 @@ class Judge:
             # One per shape, announcing how many outputs of its timed graphs follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.
-            _check_timing(header)
+            check_timing(header)
             if not self.book.loaded:
                 raise ProtocolError(f"a timing frame for {header['label']} before the candidate was loaded")
             graph_outputs = header["graph_outputs"]
@@ -185,11 +168,11 @@ class Judge:
         parts = item.split("/")
         try:
             if parts[0] == "check" and len(parts) == 2:
-                call = self.plan["calls"][_index(parts[1])]
+                call = self.plan["calls"][item_index(parts[1])]
                 args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
                 where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
             elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", "graph", "graph-repeat"):
-                spec, phase, j = self.plan["shapes"][_index(parts[1])], parts[2], _index(parts[3])
+                spec, phase, j = self.plan["shapes"][item_index(parts[1])], parts[2], item_index(parts[3])
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
@@ -231,17 +214,6 @@ class Judge:
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
 
     # -- the end --------------------------------------------------------------
-    def note_phases(self, t0: float, started: float, end: float) -> None:
-        """Seconds of each part of the stage, as far as it got: preparing (screening, hashing,
-        starting the sandbox), the sandbox's start (to its first frame), the baselines (before
-        the candidate loaded), the candidate (loading it, and the stage's work) and the end."""
-        points = [("prepare", t0), ("sandbox", started), *((k, self.marks[k]) for k in ("isolation", "loading", "done")
-                                                            if k in self.marks), ("end", end)]
-        names = {"prepare": "prepare", "sandbox": "sandbox_start", "isolation": "baselines", "loading": "candidate",
-                 "done": "finish"}
-        for (name, at), (_, until) in zip(points, points[1:]):
-            self.v.phases[f"{self.job.stage}/{names[name]}"] = until - at
-
     def memory_exceeded(self, rss_mb: float) -> None:
         detail = (f"the candidate's process reached {rss_mb:.0f} MiB resident, over the "
                   f"{self.job.rules.memory_mb} MiB limit, and was killed")
@@ -321,33 +293,6 @@ class Judge:
 HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the supervisor alone
 
 
-def _brief(header: dict) -> str:
-    return json.dumps(header, default=str)[:200]
-
-
-def _number(x: object) -> bool:
-    return type(x) in (int, float)
-
-
-def _check_timing(header: dict) -> None:
-    """A timing frame has the fields the sandbox writes, of the types it writes them in."""
-    dims = header.get("dims")
-    ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
-          and all(_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat"))
-          and isinstance(header.get("method"), str)
-          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
-    if not ok:
-        raise ProtocolError(f"a timing frame {_brief(header)}")
-
-
-def _index(text: str) -> int:
-    """An index as the sandbox writes it: each output has one name (no -1 for the last, no 01)."""
-    n = int(text)
-    if n < 0 or str(n) != text:
-        raise ValueError(text)
-    return n
-
-
 def _probe_items(spec: dict) -> set[str]:
     """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
     call on its first and its last input set."""
@@ -366,18 +311,3 @@ def speed_of_light(job: Job, v: Verdict) -> None:
             return
     v.gate("speed_of_light", True, f"every shape within {job.rules.sol_margin:g}x of the measured roofline")
 
-
-_seeds = random.SystemRandom()
-
-
-def check_plan(job: Job) -> dict:
-    from engine_templates.ops.base import DISTRIBUTIONS
-
-    dists = itertools.cycle(DISTRIBUTIONS)
-    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
-             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
-    return {"calls": calls}
-
-
-def fresh_seeds(n: int) -> list[int]:
-    return [_seeds.getrandbits(62) for _ in range(n)]

@@ -72,8 +72,18 @@ def supervise(job: Job, scratch: Path) -> Verdict:
                                            f"{'; '.join(changes[:5])}")
     judge.finish(returncode, deadline)
     v.wall_s = time.perf_counter() - t0
-    judge.note_phases(t0, sandbox.started_at, time.perf_counter())
+    _note_phases(v, job.stage, [("prepare", t0), ("sandbox_start", sandbox.started_at), *judge.marks.items(),
+                                ("end", time.perf_counter())])
     return v
+
+
+def _note_phases(v: Verdict, stage: str, points: list[tuple[str, float]]) -> None:
+    """Seconds of each part of the stage, as far as it got: preparing (screening, hashing,
+    starting the sandbox), the sandbox's start (to its first frame), the baselines (until the
+    candidate loads), the candidate (loading it, and the stage's work) and the end."""
+    names = {"isolation": "baselines", "loading": "candidate", "done": "finish"}
+    for (name, at), (_, until) in zip(points, points[1:]):
+        v.phases[f"{stage}/{names.get(name, name)}"] = until - at
 
 
 def _screened(job: Job, v: Verdict) -> bool:
