@@ -44,6 +44,12 @@ def warm_up() -> None:
         importlib.import_module(name)
 
 
+def not_warm() -> str:
+    """'' when this process has imported every module of WARM_MODULES; else which it has not."""
+    missing = [name for name in WARM_MODULES if name not in sys.modules]
+    return f"this process has not imported {', '.join(missing[:3])}" if missing else ""
+
+
 def clean_env(environ) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k in ENV_KEEP or k.startswith(ENV_KEEP_PREFIXES)}
 

@@ -42,10 +42,10 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     trees = [WORKER_ROOT / t for t in WATCHED_TREES]
     before = tree_digest(trees)
     # From here this process writes no bytecode into the watched trees: every change is the
-    # candidate's. The sandbox starts now, before this process starts a thread or draws a seed:
-    # a fork of it when it may fork (then it imports what a stage needs first, unless it is a
-    # fork of the fork server and has), else a fresh interpreter that imports torch while this
-    # process does the same. It gets its job and plan only once the judge has made the plan.
+    # candidate's. The sandbox starts now, before this process starts a thread or draws a seed: a
+    # fork of it when it is a warm fork itself (of the fork server), else a fresh interpreter that
+    # imports torch while this process does the same. It gets its job and plan only once the
+    # judge has made the plan.
     sys.dont_write_bytecode = True
     if job.stage == "compile":
         caches.prune_free()
@@ -147,10 +147,10 @@ class Sandbox:
         home = scratch / "sandbox"
         home.mkdir(exist_ok=True)
         self.read_fd, w = os.pipe()
-        why = processes.why_not_fork()
-        if not why:
-            processes.warm_up()  # nothing left to import in a fork of the fork server
-            why = processes.why_not_fork()
+        # A supervisor started fresh (not by the fork server) starts a fresh sandbox at once, which
+        # imports torch while this process does: importing first and then forking would do the
+        # two one after the other.
+        why = processes.why_not_fork() or processes.not_warm()
         self.warm = not why
         if self.warm:
             self.proc = _fork_sandbox(home, w)
