@@ -47,7 +47,7 @@ class LocalExecutor:
         self.worker_root = worker_root  # harness/ and engine_templates/: this checkout, or an unpacked bundle
         self.warm = warm
 
-    def _env(self, slot: Slot) -> dict[str, str]:
+    def env(self, slot: Slot) -> dict[str, str]:
         """The stage's environment: only what a sandbox may have (nothing of the controller's
         credentials), since the sandbox is a fork of the stage's process and can read it."""
         env = clean_env(os.environ) | {"PYTHONPATH": str(self.worker_root), "PYTHONUNBUFFERED": "1"}
@@ -60,13 +60,17 @@ class LocalExecutor:
     def prewarm(self, slot: Slot) -> None:
         """Start the slot's fork server now, so that its imports overlap whatever comes first."""
         if self.warm:
-            warm.server_for(self.python, self.worker_root, self._env(slot))
+            warm.server_for(self.python, self.worker_root, self.env(slot))
+
+    def close(self) -> None:
+        """Stop the fork servers of this executor's worker root, before that folder goes."""
+        warm.stop(self.worker_root)
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         scratch = Path(tempfile.mkdtemp(prefix=f"infersmith-{job.candidate.id}-{job.stage}-",
                                         dir=self.scratch_root))
         (scratch / "job.json").write_text(job.limited(timeout_s).to_json())
-        env = self._env(slot)
+        env = self.env(slot)
         out = scratch / "verdict.json"
         argv = ["job.json", "--out", str(out)]
         t0 = time.monotonic()

@@ -142,6 +142,13 @@ def sources_stamp(root: Path) -> tuple:
     return tuple(out)
 
 
+def stop(worker_root: Path) -> None:
+    """Stop the fork servers of this worker root (one about to be deleted, say)."""
+    with _lock:
+        for key in [k for k in _servers if k[1] == str(worker_root)]:
+            _servers.pop(key).close()
+
+
 @atexit.register
 def stop_all() -> None:
     with _lock:

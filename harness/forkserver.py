@@ -31,6 +31,10 @@ def main() -> int:
     sock = socket.socket(fileno=int(sys.argv[1]))
     try:
         processes.warm_up()
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            from harness.device import driver_version
+
+            driver_version()
         why = processes.why_not_fork()
     except Exception as e:  # an import that fails here fails in every stage too, where it is reported
         why = f"importing the harness failed: {type(e).__name__}: {e}"

@@ -36,7 +36,7 @@ class Judge:
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
         self.items: set[str] = set()  # every output item judged: the sandbox sends each once
-        self.settles = 0  # settle frames answered: the sandbox numbers its own from 0
+        self.settles = 0  # settle frames answered: the sandbox numbers its own from 0, and again after loading
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
         self.plan = {"compile": dict, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
@@ -86,6 +86,7 @@ class Judge:
         elif kind == "isolation":
             self.v.device["isolation"] = str(header.get("detail", ""))
         elif kind == "loading":
+            self.settles = 0
             if self.book and (problem := self.book.start_loading()):
                 self.v.gate("protocol", False, problem)
             elif self.book:

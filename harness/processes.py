@@ -96,13 +96,6 @@ class Forked:
     def __init__(self, pid: int, stdin=None):
         self.pid, self.stdin, self.returncode = pid, stdin, None
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
     def wait(self) -> int:
         if self.returncode is None:
             try:

@@ -51,10 +51,12 @@ def main() -> int:
     if dev == "cuda":
         torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
     caches = request.get("caches", {})
-    settles = itertools.count()  # numbered: the supervisor answers each number once
+    # Numbered: the supervisor answers each number once. Numbered from 0 before the baselines and
+    # again once the candidate loads.
+    settles = [itertools.count()]
 
     def settle() -> bool:
-        return _settle(send, stdin, next(settles))
+        return _settle(send, stdin, next(settles[0]))
 
     baselines = {}
     if job.stage == "bench":  # before the candidate exists in this process (harness/baselines.py)
@@ -65,6 +67,7 @@ def main() -> int:
     os.environ.update(caches.get("candidate", {}))
     identities = integrity.Identities()
     send("loading")  # from here on the candidate's code runs in this process
+    settles[0] = itertools.count()
     try:
         fn = load(job.candidate, op, Path(os.getcwd()))
     except Rejected as e:

@@ -2,11 +2,11 @@
 
 The candidate never runs in this process. The supervisor screens the source, hashes the
 harness's files, starts `harness.sandbox` (its own process, scratch directory, memory limit, no
-network where the OS allows) — a fork of itself when it may fork (harness/processes.py), before
-it draws a seed — draws the seeds, and reads its report. Values are
-judged here against the float64 oracle on inputs this process redraws itself from the same
-seeds, so the expected outputs exist only where the candidate cannot reach them; the verdict
-is written only here, after the sandbox and everything it started are dead.
+network where the OS allows; a fork of this one when it may fork, harness/processes.py), draws
+the seeds, and reads its report. Values are judged here against the float64 oracle on inputs
+this process redraws itself from the same seeds, so the expected outputs exist only where the
+candidate cannot reach them; the verdict is written only here, after the sandbox and everything
+it started are dead.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import pytest
 
 from contract.job import Candidate
 from contract.verdict import Verdict
+from gpu_pool import warm
 from gpu_pool.baselines import Baselines
 from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import Host, Slot
@@ -99,10 +100,14 @@ def test_state_a_candidate_leaves_behind_does_not_reach_the_next_candidate(monke
     the controller's environment. Both in one source, the state is found: the detector works."""
     monkeypatch.setenv("INFERSMITH_TEST_SECRET", "the controller's, never a stage's")
     executor = LocalExecutor()
+    server = warm.server_for(executor.python, executor.worker_root, executor.env(CPU_SLOT))
     _compile_and_check(executor, LEAVES_STATE + "\n\ndef rmsnorm(x, weight, eps):\n    return x\n")
     after = _compile_and_check(executor, FINDS_STATE)
     assert after.status == "pass", after.to_json()
     assert after.device["sandbox_start"] == "a fork of the supervisor"
+    # one fork server served both, and is still the one a stage would start from
+    assert warm.server_for(executor.python, executor.worker_root, executor.env(CPU_SLOT)) is server
+    assert server.served and server.proc.poll() is None
     both = _compile_and_check(executor, LEAVES_STATE + FINDS_STATE)
     assert (both.status, both.failing_gate.name) == ("fail", "accuracy"), both.to_json()
 
