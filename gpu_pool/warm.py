@@ -107,6 +107,8 @@ class ForkServer:
 
     def close(self) -> None:
         self.sock.close()  # its end of the socket reads EOF: it exits
+        if not self.served:  # still importing, or it could not serve: nothing of it to wait for
+            self.proc.kill()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

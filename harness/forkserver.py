@@ -38,12 +38,15 @@ def main() -> int:
         why = processes.why_not_fork()
     except Exception as e:  # an import that fails here fails in every stage too, where it is reported
         why = f"importing the harness failed: {type(e).__name__}: {e}"
-    sock.sendall(json.dumps({"ready": not why, "why": why, "pid": os.getpid()}).encode())
+    try:
+        sock.sendall(json.dumps({"ready": not why, "why": why, "pid": os.getpid()}).encode())
+    except OSError:  # its starter is gone already: nothing to serve
+        return 0
     if why:
         return 1
     gc.freeze()  # the imports' objects stay out of the collector's sweeps: forks copy fewer pages
     serve(sock)
-    os._exit(0)  # nothing to finalise: the imports' extension modules only complain at exit
+    return 0
 
 
 def serve(sock: socket.socket) -> None:
@@ -67,7 +70,10 @@ def serve(sock: socket.socket) -> None:
                 break
             pid = _start(json.loads(data), fds)
             status[pid] = fds[2]
-            sock.sendall(json.dumps({"pid": pid}).encode())
+            try:
+                sock.sendall(json.dumps({"pid": pid}).encode())
+            except OSError:  # the starter is gone: the stage runs to its own end, unwatched
+                break
         _reap(status)
     for fd in status.values():
         os.close(fd)
@@ -116,4 +122,6 @@ def _drained(fd: int) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # nothing to finalise, and the imports' extension modules would complain at exit
