@@ -17,7 +17,7 @@ from harness import device as devices
 from harness.channel import CutOff, ProtocolError, brief, check_timing, item_index, read_frame
 from harness.checks import judge
 from harness.deadline import Deadline
-from harness.plan import bench_plan, check_plan
+from harness.plan import bench_plan, check_plan, probe_items
 from harness.stages import shapes_by_label
 
 
@@ -85,7 +85,7 @@ class Judge:
             self.done = True
         elif kind == "isolation":
             self.v.device["isolation"] = str(header.get("detail", ""))
-        elif kind == "loading":
+        elif kind == "loading":  # in the bench, the baselines are known now or never
             self.settles = 0
             if self.book and (problem := self.book.start_loading()):
                 self.v.gate("protocol", False, problem)
@@ -94,13 +94,14 @@ class Judge:
         elif kind in ("baseline", "drift") and self.book:
             self.book.take(kind, header)
         elif kind == "gate":
-            # The sandbox reports failed gates, names none of the harness's own, and passes one
-            # gate only: `compile`, once every shape was called. A forged frame would otherwise
-            # pass a stage, or turn it into a time_limit crash.
+            # The sandbox reports failed gates, names none of the harness's own, passes one gate
+            # only: `compile`, once every shape was called, and crashes only measuring baselines,
+            # before the candidate loads. A forged frame would otherwise pass a stage, or turn it
+            # into the platform's crash.
             name, passed, crash = header.get("name"), header.get("passed"), header.get("crash", False)
             compiled = len(self.compiling) == len(self.job.shapes) + len(self.job.odd_shapes)
             if (not isinstance(name, str) or name in HARNESS_GATES or type(crash) is not bool
-                    or (crash and name != "baseline") or type(passed) is not bool
+                    or (crash and (name != "baseline" or "loading" in self.marks)) or type(passed) is not bool
                     or (passed and not (name == "compile" and self.job.stage == "compile" and compiled and not crash))):
                 raise ProtocolError(f"a gate frame {brief(header)}")
             detail = str(header.get("detail", ""))
@@ -250,7 +251,7 @@ class Judge:
             if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
-            probes = sum(len(_probe_items(s)) for s in self.plan["shapes"])
+            probes = sum(len(probe_items(s)) for s in self.plan["shapes"])
             graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
@@ -275,7 +276,7 @@ class Judge:
             def all_judged(label: str) -> bool:
                 items = self.judged_by_shape.get(label, set())
                 graphs = [i for i in items if i.startswith("graph")]
-                return _probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
+                return probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
 
             judged = [t for t in self.v.timings if all_judged(t.label)]
             unjudged = [t.label for t in self.v.timings if t not in judged]
@@ -292,12 +293,6 @@ class Judge:
 
 
 HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the supervisor alone
-
-
-def _probe_items(spec: dict) -> set[str]:
-    """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
-    call on its first and its last input set."""
-    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
 
 
 def speed_of_light(job: Job, v: Verdict) -> None:

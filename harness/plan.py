@@ -29,6 +29,12 @@ def fresh_seeds(n: int) -> list[int]:
     return [_seeds.getrandbits(62) for _ in range(n)]
 
 
+def probe_items(spec: dict) -> set[str]:
+    """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
+    call on its first and its last input set."""
+    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
+
+
 @dataclass
 class BenchPlan:
     plan: dict  # what the sandbox gets

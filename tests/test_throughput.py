@@ -187,11 +187,13 @@ def _baseline(label: str, eager_us: float = 50.0) -> bytes:
                   compile_how="", compile_fallback="", graphs_off="")
 
 
-@pytest.mark.parametrize("case", ["after loading", "drift disagrees", "some shapes only", "drift not asked"])
+@pytest.mark.parametrize("case", ["after loading", "drift disagrees", "some shapes only", "drift not asked",
+                                  "their crash after loading"])
 def test_baselines_are_believed_only_as_measured_before_the_candidate_loaded(case):
     """The candidate's process can write to the report channel once it is loaded: baselines sent
     after `loading`, a drift check that disagreed with no baselines measured after it, baselines
-    for some shapes only, or a drift frame the plan did not ask for fail `protocol`."""
+    for some shapes only, a drift frame the plan did not ask for, or the baselines' crash (the
+    platform's fault, not the candidate's) claimed after loading fail `protocol`."""
     from harness.judging import Judge
 
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), TARGET, CPU_SLOT)["bench"]
@@ -212,6 +214,8 @@ def test_baselines_are_believed_only_as_measured_before_the_candidate_loaded(cas
                             + _frame("loading")),
         "some shapes only": _baseline(labels[0]) + _frame("loading"),
         "drift not asked": _frame("drift", label=labels[0], eager_us=50.0),
+        "their crash after loading": (b"".join(map(_baseline, labels)) + _frame("loading")
+                                      + _frame("gate", name="baseline", passed=False, crash=True, detail="")),
     }[case]
     judge.read(io.BytesIO(stream), stop=lambda: None)
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
