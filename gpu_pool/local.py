@@ -85,7 +85,9 @@ class LocalExecutor:
             finally:  # a timeout, a cancelled flow, Ctrl-C: never leave the group running
                 proc.kill_group()
         held = time.monotonic() - t0
-        text = out.read_text() if rc is not None and out.exists() else None
+        # The harness exits 0 once it wrote its verdict; a file there after any other end was not
+        # its (a candidate can write beside the harness's files), and would pass on as its record.
+        text = out.read_text() if rc == 0 and out.exists() else None
         verdict = verdict_from(job, text, rc, timeout_s, _tail(scratch / "stderr.log"))
         verdict.phases[f"{job.stage}/start"] = max(0.0, held - verdict.wall_s) if text else 0.0
         shutil.rmtree(scratch, ignore_errors=True)
