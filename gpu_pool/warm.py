@@ -104,7 +104,6 @@ class ForkServer:
                 return None
             return Started(reply["pid"], r)
 
-
     def close(self) -> None:
         self.sock.close()  # its end of the socket reads EOF: it exits
         if not self.served:  # still importing, or it could not serve: nothing of it to wait for
