@@ -5,8 +5,16 @@ import json
 import sys
 from pathlib import Path
 
-from cli.args import (UsageError, add_target_options, op_named, open_store, pool_with, prefect_early, shapes_fit,
-                      target_of)
+from cli.args import (
+    UsageError,
+    add_target_options,
+    op_named,
+    open_store,
+    pool_with,
+    prefect_early,
+    shapes_fit,
+    target_of,
+)
 from cli.llm import add_llm_options, llm_settings
 
 

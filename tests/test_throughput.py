@@ -154,9 +154,9 @@ def test_baselines_are_measured_once_per_slot_and_reused_only_where_measured_ali
     loose = replace(TARGET.rules(False), baseline_drift=100.0)  # wall-clock timings on a loaded CPU
 
     def bench(source: str, target: Target = TARGET, record: dict | None = None) -> Verdict:
-        job = jobs_for(Candidate("rmsnorm", "free", source=source), target, CPU_SLOT, store)["bench"]
-        job = replace(job, rules=replace(loose, dtype=target.dtype, rtol=target.tolerance),
-                      baselines=record or job.baselines)
+        job = jobs_for(Candidate("rmsnorm", "free", source=source), target, CPU_SLOT)["bench"]
+        job = replace(job, rules=replace(loose, dtype=target.dtype, rtol=target.tolerance))
+        job = replace(job, baselines=record or store.for_job(CPU_SLOT, job))
         verdict = executor.run(job, CPU_SLOT, 120).verdict
         store.keep(CPU_SLOT, job, verdict)
         assert verdict.status == "pass", verdict.to_json()
