@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import threading
+from typing import Callable
 
 USAGE_ERROR = 2
 
@@ -21,6 +23,16 @@ def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def stage_limit(text: str) -> tuple[str, float]:
+    stage, _, seconds = text.partition("=")
+    if stage not in ("compile", "check"):
+        raise argparse.ArgumentTypeError(f"expected compile=SECONDS or check=SECONDS, got {text!r}")
+    try:
+        return stage, float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds after {stage}=, got {seconds!r}") from None
 
 
 def gpu_classes() -> str:
@@ -51,6 +63,9 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
         g.add_argument("--approval-timeout", type=float, default=86400.0,
                        help="seconds a candidate waits for approval before it is rejected (default 86400)")
         g.add_argument("--seeds", type=int, default=3, help="random input sets per shape when checking")
+        g.add_argument("--stage-limit", action="append", type=stage_limit, default=[], metavar="STAGE=S",
+                       help="seconds the compile or the check stage may run, at most --stage-timeout "
+                            "(default compile=120, check=180); may be repeated")
     g.add_argument("--stage-timeout", type=float, default=600.0, help="seconds one stage may run")
 
 
@@ -77,6 +92,7 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
     if hasattr(args, "rtol"):  # the kernel options (add_target_options)
         data |= {"rtol": args.rtol, "seeds": args.seeds, "approval_rtol": args.approval_rtol,
                  "approval_timeout_s": args.approval_timeout}
+        data["budget"] |= {f"{stage}_timeout_s": seconds for stage, seconds in args.stage_limit}
         workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")
                     if getattr(args, k) is not None}
         if workload:
@@ -119,6 +135,37 @@ def shapes_fit(op, target) -> None:
         op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
     except ValueError as e:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
+
+
+def prefect_early() -> Callable[[], None]:
+    """Start Prefect's ephemeral API server now, in the background, when the flow will run on one:
+    its process starts while this one imports the flows and opens the tracking store, rather than
+    after. Returns the wait for it, to call before the flow starts (which would otherwise start
+    a second one); the wait raises what starting it raised."""
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        from prefect.settings import get_current_settings
+
+        settings = get_current_settings()
+        if settings.api.url or not settings.server.ephemeral.enabled:
+            return
+        from prefect.server.api.server import SubprocessASGIServer
+
+        try:
+            SubprocessASGIServer().start()  # the instance the flow's client finds, already running
+        except Exception as e:  # raised again by the wait, in the command's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed:
+            raise failed[0]
+
+    return wait
 
 
 def open_store() -> None:

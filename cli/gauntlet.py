@@ -62,6 +62,9 @@ def cmd_gauntlet(args) -> int:
             print(table(rows, on_gpu=slot.gpu is not None))
             print(f"\ninterrupted after {len(rows)} of {len(cases)} cases")
             raise
+        finally:
+            if executor is not None:
+                executor.close()  # its fork server imported from the copy, which goes now
     print(table(rows, on_gpu=slot.gpu is not None))
     return 0 if all(r.ok for r in rows) else 1
 

@@ -5,7 +5,16 @@ import json
 import sys
 from pathlib import Path
 
-from cli.args import UsageError, add_target_options, op_named, open_store, pool_with, shapes_fit, target_of
+from cli.args import (
+    UsageError,
+    add_target_options,
+    op_named,
+    open_store,
+    pool_with,
+    prefect_early,
+    shapes_fit,
+    target_of,
+)
 from cli.llm import add_llm_options, llm_settings
 
 
@@ -50,10 +59,15 @@ def cmd_evaluate(args) -> int:
     problem = screen_signature(source, op.name, op.arg_names)
     if problem:
         raise UsageError(f"{path}: {problem}")
-    pool, _ = pool_with(args.pool, target.gpu_class)
+    pool, slots = pool_with(args.pool, target.gpu_class)
+    from gpu_pool.executors import prewarm
+
+    prewarm(slots)  # the stages' fork servers import torch while this process imports the rest
+    prefect_ready = prefect_early()
     from flows.evaluate_op import evaluate_candidate
 
     open_store()
+    prefect_ready()
     result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=pool)
     verdict = result["verdict"]
     if args.json:
@@ -70,7 +84,7 @@ def cmd_optimize(args) -> int:
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     llm = llm_settings(args, target) if args.proposer == "llm" else None
-    pool, _ = pool_with(args.pool, target.gpu_class)
+    pool, slots = pool_with(args.pool, target.gpu_class)
     if args.warm_start:  # an entry file broken by hand is one line now, not a failed flow later
         from tracking.errors import KnowledgeError
         from tracking.knowledge import KnowledgeBase
@@ -79,9 +93,14 @@ def cmd_optimize(args) -> int:
             KnowledgeBase.from_env().entries()
         except KnowledgeError as e:
             raise UsageError(f"{e} (fix it, or start cold with --no-warm-start)") from None
+    from gpu_pool.executors import prewarm
+
+    prewarm(slots)
+    prefect_ready = prefect_early()
     from flows.optimize_op import optimize_op
 
     open_store()
+    prefect_ready()
     result = optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
                          pool=pool, llm=llm, warm_start=args.warm_start)
     if result["endpoint_down"]:

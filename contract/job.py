@@ -90,6 +90,10 @@ class Rules:
     compile_baseline: bool = True
     memory_mb: int = 16384  # resident host memory of the candidate's process before it is killed
     gpu_memory_fraction: float = 0.8  # of the GPU's memory the candidate's process may allocate
+    # Baselines measured for an earlier candidate on the same device are used while a drift check
+    # (one shape's eager timing, measured again before the candidate loads) agrees with them
+    # within this share; else every baseline is measured again (harness/baselines.py).
+    baseline_drift: float = 0.10
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,9 @@ class Job:
     # stops the candidate a little before it and writes a verdict with what it measured; the
     # controller's kill at the limit itself is the backstop, and loses that.
     limit_s: float | None = None
+    # bench: the baselines an earlier bench stage measured on this device (its verdict's
+    # `baselines`), used only if measured exactly as this job would measure them.
+    baselines: dict | None = None
 
     def __post_init__(self) -> None:
         assert self.stage in STAGES, f"stage must be one of {STAGES}"
@@ -129,6 +136,7 @@ class Job:
             rules=Rules(**d["rules"]),
             device=d["device"],
             limit_s=d.get("limit_s"),
+            baselines=d.get("baselines"),
         )
 
 

@@ -27,7 +27,9 @@ class Gate:
 
 @dataclass
 class ShapeTiming:
-    """Timings of one target shape, candidate and baselines measured in the same process."""
+    """Timings of one target shape: the candidate's, and the baselines' measured on the same device
+    before the candidate was loaded (in its process, or for an earlier candidate and checked for
+    drift: `Verdict.baselines`)."""
 
     label: str
     dims: dict[str, int]
@@ -94,6 +96,11 @@ class Verdict:
     wall_s: float = 0.0
     log_tail: str = ""
     flags: list[str] = field(default_factory=list)  # screening findings for a person to look at
+    # Seconds per part of each stage, "<stage>/<part>": where a candidate's time goes.
+    phases: dict[str, float] = field(default_factory=dict)
+    # bench: the baselines its timings are set against (harness/baselines.py): "source" is
+    # "timed" (in its own process) or "cached" (an earlier candidate's, drift-checked).
+    baselines: dict[str, Any] = field(default_factory=dict)
 
     # -- building ---------------------------------------------------------------
     def gate(self, name: str, passed: bool, detail: str = "") -> bool:
@@ -122,6 +129,8 @@ class Verdict:
         if later.log_tail:
             self.log_tail = later.log_tail
         self.flags = sorted(set(self.flags) | set(later.flags))
+        self.phases |= later.phases
+        self.baselines = later.baselines or self.baselines
         if later.status != PASS and self.status == PASS:
             self.status = later.status
 
@@ -174,6 +183,9 @@ class Verdict:
                 if all(v for v in vals):
                     out[f"geomean_{key}"] = math.exp(sum(math.log(v) for v in vals) / len(vals))
         out["harness_wall_s"] = self.wall_s
+        out |= {f"phase_s/{k}": v for k, v in self.phases.items()}
+        if self.baselines:
+            out["baselines_cached"] = float(self.baselines.get("source") == "cached")
         return out
 
     # -- JSON -------------------------------------------------------------------
@@ -197,6 +209,8 @@ class Verdict:
             wall_s=d.get("wall_s", 0.0),
             log_tail=d.get("log_tail", ""),
             flags=d.get("flags", []),
+            phases=d.get("phases", {}),
+            baselines=d.get("baselines", {}),
         )
 
     @classmethod

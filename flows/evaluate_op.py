@@ -9,6 +9,7 @@ from contract.job import Candidate
 from engine_templates.ops import get_op
 from flows.approval import decide
 from flows.optimize_op import scope_for
+from gpu_pool.executors import prewarm
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
 from targets import Target
@@ -27,6 +28,7 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
     who proposed it; `charge`, what proposing it cost (an agent's tokens)."""
     candidate = Candidate(op=op, kind="free", source=source, origin=origin)
     pool = pool or local_pool()
+    prewarm(pool.slots(target.gpu_class))
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())

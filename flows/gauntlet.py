@@ -24,6 +24,7 @@ from contract.verdict import PASS, Verdict
 from engine_templates.models import PRESETS
 from engine_templates.ops import get_op
 from gauntlet import Case
+from gpu_pool.baselines import Baselines
 from gpu_pool.executors import LocalExecutor, SSHExecutor, executor_for
 from gpu_pool.pool import Slot
 from targets import Target, is_tiny
@@ -74,9 +75,10 @@ def takes_experts(op: str, moe: str, target: Target) -> bool:
 
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,
-             bench_lock: threading.Lock | None = None, share: int = 1) -> Row:
+             bench_lock: threading.Lock | None = None, share: int = 1, baselines: Baselines | None = None) -> Row:
     """One case through the pipeline, on `executor` (default: the slot's own); its bench stage
-    holds `bench_lock` when one is given; it may allocate 1/`share` of the usual device memory."""
+    holds `bench_lock` when one is given; it may allocate 1/`share` of the usual device memory.
+    `baselines`: the run's, shared by its cases (gpu_pool/baselines.py)."""
     target = target_for(case, target)
     executor = executor or executor_for(slot)
 
@@ -90,7 +92,7 @@ def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | S
             return executor.run(job, slot, timeout_s)
 
     charge = Charge()
-    verdict = run_stages(case.candidate(), target, slot, run_stage, charge)
+    verdict = run_stages(case.candidate(), target, slot, run_stage, charge, baselines=baselines)
     return Row(case, verdict, charge.gpu_seconds)
 
 
@@ -101,16 +103,17 @@ def run_gauntlet(cases: list[Case], target: Target, slot: Slot,
     `progress` called as each finishes. On KeyboardInterrupt no further case starts; the ones
     in flight finish (a second Ctrl-C abandons them) and the exception goes on."""
     executor = executor or executor_for(slot)
+    store = Baselines()
     if jobs <= 1:
         rows = []
         for case in cases:
-            rows.append(run_case(case, target, slot, executor))
+            rows.append(run_case(case, target, slot, executor, baselines=store))
             progress(rows[-1])
         return rows
     lock = threading.Lock()
     done: dict[int, Row] = {}
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="gauntlet") as pool:
-        pending = {pool.submit(run_case, c, target, slot, executor, lock, jobs): i
+        pending = {pool.submit(run_case, c, target, slot, executor, lock, jobs, store): i
                    for i, c in enumerate(cases) if not c.alone}
         try:
             while pending:
@@ -128,7 +131,7 @@ def run_gauntlet(cases: list[Case], target: Target, slot: Slot,
             raise
     for i, case in enumerate(cases):  # alone: nothing else runs meanwhile
         if case.alone:
-            done[i] = row = run_case(case, target, slot, executor)
+            done[i] = row = run_case(case, target, slot, executor, baselines=store)
             progress(row)
     return [done[i] for i in sorted(done)]
 

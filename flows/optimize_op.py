@@ -15,6 +15,8 @@ from contract.verdict import PASS, Verdict
 from engine_templates.ops import OPS, get_op
 from flows import approval
 from flows.progress import Progress
+from gpu_pool.baselines import Baselines
+from gpu_pool.executors import prewarm
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
@@ -52,10 +54,12 @@ def flow_seed(seed: int) -> int:
 
 
 def room(slots: list[Slot], in_flight: int) -> int:
-    """How many more candidates can start now: healthy slots that are free, less those
-    already submitted but not yet holding a lease. At least one when none is in flight."""
+    """How many more candidates can start now: one per healthy slot, and one more that waits for
+    the first slot to come free, so that proposing it, opening its run and starting its task
+    happen while the others' stages run, and the previous candidate's tracking writes while its
+    own run (the lease passes straight on). Never more than the free slots and that one."""
     usable = HEALTH.usable(slots)
-    n = min(len(usable) - in_flight, len(free_slots(usable))) if usable else 0
+    n = min(len(usable) + 1 - in_flight, len(free_slots(usable)) + 1) if usable else 0
     return max(n, 0 if in_flight else 1)
 
 
@@ -88,11 +92,11 @@ def malformed(p: Proposal, run_id: str, charge: Charge, tracker: Tracker) -> Out
 
 
 def time_on_held_out(passed: list[Outcome], target: Target, slots: list[Slot], tracker: Tracker,
-                     held_out: list[Shape]) -> list[Outcome]:
+                     held_out: list[Shape], baselines: Baselines) -> list[Outcome]:
     """The best `target.held_out.timed` passed candidates of this run, timed on its held-out
     shapes, all at once as the pool allows; each result is printed beside the searched score."""
     best = sorted(passed, key=lambda o: -o.verdict.score())[:target.held_out.timed] if held_out else []
-    futures = [time_held_out.submit(o, target, slots, tracker, held_out) for o in best]
+    futures = [time_held_out.submit(o, target, slots, tracker, held_out, baselines=baselines) for o in best]
     timed = [f.result() for f in futures]
     for searched, o in zip(best, timed):
         v = o.verdict
@@ -122,10 +126,12 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
     kind, read = ("free", None) if llm else (template, template)
     pool = pool or local_pool()
     slots = pool.slots(target.gpu_class)
+    prewarm(slots)
     scope = scope_for(op, target, pool)
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
     results = Results(f"infersmith-{op}")  # S3, when configured, is checked before anything runs
+    baselines = Baselines()  # each slot's, measured once this flow (gpu_pool/baselines.py)
     proposer_seed = flow_seed(seed)
     params = {"target": target.model_dump(mode="json"), "proposer": proposer, "template": kind,
               "seed": seed, "proposer_seed": proposer_seed, "pool": [s.label for s in slots], "warm_start": warm_start}
@@ -188,7 +194,8 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                                   for c in fresh]
                         exhausted = None if batch else f"the template's space has nothing new ({len(history)} points tried)"
                 for c, run_id, charge in batch:
-                    in_flight[evaluate.submit(c, run_id, target, slots, tracker, held_out, charge)] = c
+                    in_flight[evaluate.submit(c, run_id, target, slots, tracker, held_out, charge,
+                                              baselines=baselines)] = c
             if not in_flight and not replies:
                 if waiting:
                     continue
@@ -207,7 +214,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                     report(malformed(p, run_id, charge, tracker))
                 else:
                     in_flight[evaluate.submit(p.candidate, run_id, target, slots, tracker, held_out,
-                                                    charge)] = p.candidate
+                                              charge, baselines=baselines)] = p.candidate
                 continue
             in_flight.pop(fut)
             outcome = fut.result()
@@ -216,7 +223,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                 waiting.append(outcome)
             else:
                 report(outcome)
-        for o in time_on_held_out(passed, target, slots, tracker, held_out):
+        for o in time_on_held_out(passed, target, slots, tracker, held_out, baselines):
             progress.spent(o.charge)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")

@@ -21,6 +21,14 @@ def executor_for(slot: Slot) -> LocalExecutor | SSHExecutor:
     return LocalExecutor() if slot.host.is_local else SSHExecutor()
 
 
+def prewarm(slots: list[Slot]) -> None:
+    """Start the fork servers of this machine's slots now (gpu_pool/warm.py), so that their imports
+    overlap the controller's own start; a host over SSH starts each stage fresh."""
+    for slot in slots:
+        if slot.host.is_local:
+            LocalExecutor().prewarm(slot)
+
+
 # Run by the pool in a process of its own, never by a candidate: whether the slot's GPU still
 # initializes and computes. Its outcome, not a candidate's log, is what benches a host.
 DEVICE_CHECK = """

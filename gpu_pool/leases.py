@@ -22,7 +22,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from gpu_pool.pool import Pool, Slot
 
 LEASE_S = 60.0  # a dead holder's GPU is freed this long (plus a repossessor pass) after it died
-WAIT_POLL_S = 0.5
+WAIT_POLL_S = 0.2  # a candidate queued behind a running one starts this soon after its lease is let go
 
 
 def ensure_limits(pool: Pool) -> None:

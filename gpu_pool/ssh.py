@@ -205,7 +205,7 @@ class SSHExecutor:
                 return None
         try:
             with client.open_sftp() as sftp:
-                verdict = read("verdict.json") if rc is not None else None
+                verdict = read("verdict.json") if rc == 0 else None  # as the local executor reads it
                 log = (read("stderr.log") or "")[-4000:]
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise HostUnreachable(host, f"connection lost fetching the verdict: {e}") from None

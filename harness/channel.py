@@ -79,3 +79,31 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
         except RuntimeError as e:
             raise ProtocolError(f"payload does not fit shape {shape}: {e}") from None
     return header, tensors
+
+
+# -- what the judge checks of a frame's fields --------------------------------------------------
+def brief(header: dict) -> str:
+    return json.dumps(header, default=str)[:200]
+
+
+def is_number(x: object) -> bool:
+    return type(x) in (int, float)
+
+
+def check_timing(header: dict) -> None:
+    """A timing frame has the fields the sandbox writes, of the types it writes them in."""
+    dims = header.get("dims")
+    ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
+          and all(is_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat"))
+          and isinstance(header.get("method"), str)
+          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
+    if not ok:
+        raise ProtocolError(f"a timing frame {brief(header)}")
+
+
+def item_index(text: str) -> int:
+    """An index as the sandbox writes it: each output has one name (no -1 for the last, no 01)."""
+    n = int(text)
+    if n < 0 or str(n) != text:
+        raise ValueError(text)
+    return n

@@ -1,6 +1,7 @@
 """Which device a stage runs on, and what it is: name, versions, whether timings mean anything."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 
@@ -34,13 +35,16 @@ def describe(device: str) -> dict:
         info.update(name=props.name, sm_count=props.multi_processor_count,
                     l2_bytes=getattr(props, "L2_cache_size", 0),
                     memory_bytes=props.total_memory, cuda=torch.version.cuda,
-                    driver=_driver_version())
+                    driver=driver_version())
     else:
         info.update(name="cpu", cuda=None, driver=None)
     return info
 
 
-def _driver_version() -> str | None:
+@functools.lru_cache(maxsize=1)
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, from nvidia-smi (its own process: nothing here touches CUDA).
+    Asked once a process; the fork server asks it before it forks, so that its stages need not."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -3,29 +3,30 @@ judges against its own oracle, the timings it turns into roofline numbers, and h
 sandbox ended. Nothing in a frame is believed beyond what can be checked here."""
 from __future__ import annotations
 
-import itertools
-import json
-import random
+import time
 from typing import BinaryIO, Callable
 
 import torch
 
 from contract.job import Job
 from contract.verdict import BEYOND_TOLERANCE, PASS, ShapeTiming, Verdict
-from engine_templates import ceilings
 from engine_templates.ops import get_op
 from engine_templates.ops.base import DTYPES, generator
+from harness import baselines
 from harness import device as devices
-from harness import timing
-from harness.channel import CutOff, ProtocolError, read_frame
+from harness.channel import CutOff, ProtocolError, brief, check_timing, item_index, read_frame
 from harness.checks import judge
 from harness.deadline import Deadline
+from harness.plan import bench_plan, check_plan, probe_items
 from harness.stages import shapes_by_label
 
 
 class Judge:
-    def __init__(self, job: Job, v: Verdict):
-        self.job, self.v, self.op = job, v, get_op(job.candidate.op)
+    def __init__(self, job: Job, v: Verdict, sources: dict[str, str] | None = None):
+        """`sources`: the worker's trees as the supervisor hashed them (the baselines' key)."""
+        self.job, self.v, self.op, self.sources = job, v, get_op(job.candidate.op), sources or {}
+        self.marks: dict[str, float] = {}  # when the sandbox said isolation, loading, done
+        self.book: baselines.Book | None = None
         self.device = devices.pick(job.device)
         self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
         v.device = devices.describe(self.device)
@@ -35,27 +36,16 @@ class Judge:
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
         self.items: set[str] = set()  # every output item judged: the sandbox sends each once
-        self.settles = 0  # settle frames answered: the sandbox numbers its own from 0
+        self.settles = 0  # settle frames answered: the sandbox numbers its own from 0, and again after loading
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
-        self.plan = {"compile": lambda: {}, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
+        self.plan = {"compile": dict, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
         biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
         self.max_payload = 4 * biggest + (1 << 20)
 
     def _bench_plan(self) -> dict:
-        ceil = ceilings.ceilings(self.device, self.v.device, self.job.rules.dtype)  # here, before the candidate runs
-        self.v.device["ceilings"] = ceil
-        if self.device == "cuda":
-            torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
-        l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
-        self.roofline, items = {}, []
-        for shape in self.job.shapes:
-            nbytes, flops = self.op.bytes(shape, self.dtype), self.op.flops(shape)
-            roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
-            self.roofline[shape.label] = (roof, nbytes, flops)
-            n = timing.rotation_count(nbytes, l2) if self.device == "cuda" else 2
-            items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
-                          "graph": timing.by_graph(self.device, roof, self.job.rules.launch_bound_us)})
-        return {"shapes": items}
+        bench = bench_plan(self.job, self.op, self.device, self.v.device, self.sources)
+        self.roofline, self.key, self.book = bench.roofline, bench.key, bench.book
+        return bench.plan
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
@@ -87,20 +77,33 @@ class Judge:
 
     def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
         kind = header["kind"]
+        if kind in ("isolation", "loading", "done"):
+            if kind in self.marks:
+                raise ProtocolError(f"a second {kind} frame")
+            self.marks[kind] = time.perf_counter()
         if kind == "done":
             self.done = True
         elif kind == "isolation":
             self.v.device["isolation"] = str(header.get("detail", ""))
+        elif kind == "loading":  # in the bench, the baselines are known now or never
+            self.settles = 0
+            if self.book and (problem := self.book.start_loading()):
+                self.v.gate("protocol", False, problem)
+            elif self.book:
+                self.v.baselines = self.book.record(self.key)
+        elif kind in ("baseline", "drift") and self.book:
+            self.book.take(kind, header)
         elif kind == "gate":
-            # The sandbox reports failed gates, names none of the harness's own, and passes one
-            # gate only: `compile`, once every shape was called. A forged frame would otherwise
-            # pass a stage, or turn it into a time_limit crash.
+            # The sandbox reports failed gates, names none of the harness's own, passes one gate
+            # only: `compile`, once every shape was called, and crashes only measuring baselines,
+            # before the candidate loads. A forged frame would otherwise pass a stage, or turn it
+            # into the platform's crash.
             name, passed, crash = header.get("name"), header.get("passed"), header.get("crash", False)
             compiled = len(self.compiling) == len(self.job.shapes) + len(self.job.odd_shapes)
             if (not isinstance(name, str) or name in HARNESS_GATES or type(crash) is not bool
-                    or (crash and name != "baseline") or type(passed) is not bool
+                    or (crash and (name != "baseline" or "loading" in self.marks)) or type(passed) is not bool
                     or (passed and not (name == "compile" and self.job.stage == "compile" and compiled and not crash))):
-                raise ProtocolError(f"a gate frame {_brief(header)}")
+                raise ProtocolError(f"a gate frame {brief(header)}")
             detail = str(header.get("detail", ""))
             self.v.crash(name, detail) if crash else self.v.gate(name, passed, detail)
         elif kind == "compiling" and self.job.stage == "compile":
@@ -138,7 +141,9 @@ class Judge:
             # One per shape, announcing how many outputs of its timed graphs follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.
-            _check_timing(header)
+            check_timing(header)
+            if not self.book.loaded:
+                raise ProtocolError(f"a timing frame for {header['label']} before the candidate was loaded")
             graph_outputs = header["graph_outputs"]
             if header["label"] in self.graph_outputs or graph_outputs < 0:
                 self.v.gate("protocol", False, f"a timing frame for {header['label']} announcing {graph_outputs} "
@@ -146,8 +151,9 @@ class Judge:
                                                "at least 0")
                 return
             roof, nbytes, flops = self.roofline[header["label"]]
-            fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "eager_us",
-                                             "compile_us", "method")}
+            fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "method")}
+            base = self.book.shapes[header["label"]]  # measured before the candidate loaded
+            fields |= {"eager_us": base["eager_us"], "compile_us": base["compile_us"]}
             l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
             cover = header["sets"] * nbytes / l2 if l2 else 0.0
             self.v.timings.append(ShapeTiming(**fields, roofline_us=roof, bytes=nbytes, flops=flops,
@@ -164,11 +170,11 @@ class Judge:
         parts = item.split("/")
         try:
             if parts[0] == "check" and len(parts) == 2:
-                call = self.plan["calls"][_index(parts[1])]
+                call = self.plan["calls"][item_index(parts[1])]
                 args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
                 where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
             elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", "graph", "graph-repeat"):
-                spec, phase, j = self.plan["shapes"][_index(parts[1])], parts[2], _index(parts[3])
+                spec, phase, j = self.plan["shapes"][item_index(parts[1])], parts[2], item_index(parts[3])
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
@@ -245,7 +251,7 @@ class Judge:
             if {t.label for t in v.timings} != expected or len(v.timings) != len(expected):
                 v.gate("protocol", False, f"timings for {sorted(t.label for t in v.timings)}; planned {sorted(expected)}")
                 return
-            probes = sum(len(_probe_items(s)) for s in self.plan["shapes"])
+            probes = sum(len(probe_items(s)) for s in self.plan["shapes"])
             graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
@@ -270,7 +276,7 @@ class Judge:
             def all_judged(label: str) -> bool:
                 items = self.judged_by_shape.get(label, set())
                 graphs = [i for i in items if i.startswith("graph")]
-                return _probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
+                return probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
 
             judged = [t for t in self.v.timings if all_judged(t.label)]
             unjudged = [t.label for t in self.v.timings if t not in judged]
@@ -289,40 +295,6 @@ class Judge:
 HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the supervisor alone
 
 
-def _brief(header: dict) -> str:
-    return json.dumps(header, default=str)[:200]
-
-
-def _number(x: object) -> bool:
-    return type(x) in (int, float)
-
-
-def _check_timing(header: dict) -> None:
-    """A timing frame has the fields the sandbox writes, of the types it writes them in."""
-    dims = header.get("dims")
-    ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
-          and all(_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat", "eager_us"))
-          and (header.get("compile_us") is None or _number(header["compile_us"]))
-          and isinstance(header.get("method"), str)
-          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
-    if not ok:
-        raise ProtocolError(f"a timing frame {_brief(header)}")
-
-
-def _index(text: str) -> int:
-    """An index as the sandbox writes it: each output has one name (no -1 for the last, no 01)."""
-    n = int(text)
-    if n < 0 or str(n) != text:
-        raise ValueError(text)
-    return n
-
-
-def _probe_items(spec: dict) -> set[str]:
-    """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
-    call on its first and its last input set."""
-    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
-
-
 def speed_of_light(job: Job, v: Verdict) -> None:
     if not v.gpu_timing:
         v.gate("speed_of_light", True, "no GPU timing (CPU / interpreter): not applicable")
@@ -335,18 +307,3 @@ def speed_of_light(job: Job, v: Verdict) -> None:
             return
     v.gate("speed_of_light", True, f"every shape within {job.rules.sol_margin:g}x of the measured roofline")
 
-
-_seeds = random.SystemRandom()
-
-
-def check_plan(job: Job) -> dict:
-    from engine_templates.ops.base import DISTRIBUTIONS
-
-    dists = itertools.cycle(DISTRIBUTIONS)
-    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
-             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
-    return {"calls": calls}
-
-
-def fresh_seeds(n: int) -> list[int]:
-    return [_seeds.getrandbits(62) for _ in range(n)]

@@ -1,11 +1,15 @@
-"""`python -P -m harness.sandbox FD`: the candidate's own process, started by the supervisor.
+"""`python -P -m harness.sandbox FD`: the candidate's own process, started by the supervisor —
+as a fork of it, with torch and the harness already imported (harness/processes.py), or as a fresh
+interpreter.
 
 It reads its limits on the first line of stdin and applies them (memory, core dumps,
-network) before importing anything heavy, imports the harness, torch and the op while the
-supervisor makes its plan, reads the job and the plan on the second line, notes the identity of
-every timer and harness function, and only then imports the candidate from its scratch
-directory. Everything it finds goes to the supervisor as frames on FD; it decides no verdict —
-a process that dies or stops reporting is a crash there. In the bench stage it waits on stdin
+network), imports the harness, torch and the op if they are not yet (a fresh interpreter does
+so while the supervisor makes its plan), reads the job and the plan on the second line, in
+the bench stage measures the baselines (harness/baselines.py), notes the identity of every
+timer and harness function, says `loading`, and only then imports the candidate from its
+scratch directory, with Triton's and Inductor's caches pointed at its own (harness/caches.py).
+Everything it finds goes to the supervisor as frames on FD; it decides no verdict — a
+process that dies or stops reporting is a crash there. In the bench stage it waits on stdin
 before timing each shape, until the supervisor has judged what it was sent and left the GPU
 idle (`settle`), so that no work of the supervisor's shares the GPU with a timing.
 """
@@ -32,6 +36,7 @@ def main() -> int:
     from contract.job import Job
     from engine_templates.ops import get_op
     from harness import checks, device, integrity, stages, timing  # noqa: F401  (watched below)
+    from harness.baselines import measure as measure_baselines
     from harness.channel import Sender
     from harness.load import Rejected, load
 
@@ -45,7 +50,24 @@ def main() -> int:
     op, dev = get_op(job.candidate.op), request["device"]
     if dev == "cuda":
         torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
+    caches = request.get("caches", {})
+    # Numbered: the supervisor answers each number once. Numbered from 0 before the baselines and
+    # again once the candidate loads.
+    settles = [itertools.count()]
+
+    def settle() -> bool:
+        return _settle(send, stdin, next(settles[0]))
+
+    baselines = {}
+    if job.stage == "bench":  # before the candidate exists in this process (harness/baselines.py)
+        os.environ.update(caches.get("baselines", {}))
+        if (baselines := measure_baselines(job, op, dev, request["plan"], send, settle)) is None:
+            send("done")
+            return 0
+    os.environ.update(caches.get("candidate", {}))
     identities = integrity.Identities()
+    send("loading")  # from here on the candidate's code runs in this process
+    settles[0] = itertools.count()
     try:
         fn = load(job.candidate, op, Path(os.getcwd()))
     except Rejected as e:
@@ -57,8 +79,7 @@ def main() -> int:
         send("done")
         return 0
     if job.stage == "bench":
-        settles = itertools.count()  # numbered: the supervisor answers each number once
-        stages.bench_stage(job, op, fn, dev, request["plan"], send, settle=lambda: _settle(send, stdin, next(settles)),
+        stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
                            patched=identities.changed)
     else:
         {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)

@@ -96,64 +96,57 @@ def compile_baseline(op, n_shapes: int, backend: str = "inductor", **compile_kw)
     return torch.compile(op.eager, dynamic=False, backend=backend, **compile_kw)
 
 
-def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,
+Ready = tuple  # (shape, input sets, timing.Method, the method asked for: "graph", "events" or "wall")
+
+
+def prepare_shape(job: Job, op, dev: str, item: dict, send: Send, settle: Callable[[], bool]) -> Ready | None:
+    """One planned shape's input sets and timing method, once the supervisor has said go (None:
+    its answer did not come as sent, and the failed gate was sent)."""
+    shape = shapes_by_label(job)[item["shape"]]
+    dtype = DTYPES[job.rules.dtype]
+    arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
+    method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
+    if not settle():
+        send("gate", name="protocol", passed=False,
+             detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
+                    "in the candidate's process read or closed its stdin")
+        return None
+    return shape, arg_sets, method, "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
+
+
+def baseline_timings(op, compiled, ready: Ready, send: Send) -> tuple | None:
+    """(eager, torch.compile or None) at one prepared shape; None when timing them failed (sent:
+    the platform's fault, not the candidate's). What their graphs computed is not judged, nor kept."""
+    shape, arg_sets, method, asked = ready
+    try:
+        eager = replace(timing.median_us(op.eager, arg_sets, method), outputs={})
+        comp = replace(timing.median_us(compiled, arg_sets, method), outputs={}) if compiled else None
+    except Exception as e:
+        send("gate", name="baseline", passed=False, crash=True,
+             detail=f"{shape.label}: timing the baselines ({asked}) failed: {describe_exception(e)}")
+        return None
+    return eager, comp
+
+
+def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: dict[str, tuple],
                 settle: Callable[[], bool] = lambda: True,
                 patched: Callable[[], list[str]] = lambda: []) -> None:
-    """Every shape's baselines first (eager and torch.compile), then per shape the candidate
-    twice, timed on the same rotated input sets (drawn again from the same seeds), and the
-    probes. Baselines first, so that nothing the candidate does to the process reaches them: a
-    capture that fails leaves later graph timings of the process to events, and were that the
-    baselines' too, a candidate could choose how torch.compile is timed. `settle` returns once the
-    supervisor has judged every output sent so far and its own GPU work has finished (False: the
-    answer never came right), so that nothing of the supervisor's runs on the GPU while this
-    process times. `patched` names the timers and harness functions the candidate has replaced
-    (integrity.Identities.changed): asked after every shape's timings, so that a swap undone
-    before the stage ends is caught all the same."""
-    dtype, shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
-    compiled = compile_baseline(op, len(plan["shapes"])) if dev == "cuda" and job.rules.compile_baseline else None
-
-    def prepare(item) -> tuple[Shape, list, timing.Method, str] | None:
-        shape = shapes[item["shape"]]
-        arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
-        method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
-        if not settle():
-            send("gate", name="protocol", passed=False,
-                 detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
-                        "in the candidate's process read or closed its stdin")
-            return None
-        return shape, arg_sets, method, "graph" if item["graph"] else "events" if dev == "cuda" else "wall"
-
-    def time_baselines() -> list | None:
-        out = []
-        for item in plan["shapes"]:
-            if (ready := prepare(item)) is None:
-                return None
-            shape, arg_sets, method, asked = ready
-            try:  # the baselines failing is the platform's fault, not the candidate's; what their
-                # graphs computed is not judged, and is not kept
-                eager = replace(timing.median_us(op.eager, arg_sets, method), outputs={})
-                comp = replace(timing.median_us(compiled, arg_sets, method), outputs={}) if compiled else None
-            except Exception as e:
-                send("gate", name="baseline", passed=False, crash=True,
-                     detail=f"{shape.label}: timing the baselines ({asked}) failed: {describe_exception(e)}")
-                return None
-            out.append((eager, comp))
-            del arg_sets
-        return out
-
-    if (baselines := time_baselines()) is None:
-        return
-    # A baseline that could not be captured (a host sync: fused_moe's loop at fp16/fp32) leaves
-    # every later timing of the process to events, the candidate's at every shape included: the
-    # baselines timed by graph before it are timed again, with events, as the candidate will be.
-    if timing.graphs_off() and any(t.how == "graph" for pair in baselines for t in pair if t):
-        if (baselines := time_baselines()) is None:
-            return
+    """Per shape the candidate twice, timed on the same rotated input sets (drawn again from the
+    same seeds), and the probes. `baselines`: per shape (eager, torch.compile or None), measured
+    before the candidate was loaded (harness/baselines.py), so that nothing the candidate does to
+    the process reaches them: a capture that fails leaves later graph timings of the process to
+    events, and were that the baselines' too, a candidate could choose how torch.compile is timed.
+    `settle` returns once the supervisor has judged every output sent so far and its own GPU work
+    has finished (False: the answer never came right), so that nothing of the supervisor's runs on
+    the GPU while this process times. `patched` names the timers and harness functions the
+    candidate has replaced (integrity.Identities.changed): asked after every shape's timings, so
+    that a swap undone before the stage ends is caught all the same."""
+    dtype = DTYPES[job.rules.dtype]
     for k, item in enumerate(plan["shapes"]):
-        if (ready := prepare(item)) is None:
+        if (ready := prepare_shape(job, op, dev, item, send, settle)) is None:
             return
         shape, arg_sets, method, asked = ready
-        eager, comp = baselines[k]
+        eager, comp = baselines[shape.label]
         try:
             cand = timing.median_us(fn, arg_sets, method)
             cand_2 = timing.median_us(fn, arg_sets, method)
@@ -187,7 +180,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send,
                             f"the timer stops (timings: {cand.how} {cand_us:.1f} us, {cand_2.how} {cand_us_2:.1f} us)")
                 return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
-             eager_us=eager.us, compile_us=comp.us if comp else None, sets=len(arg_sets),
+             sets=len(arg_sets),
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
         for run, timed in (("graph", cand), ("graph-repeat", cand_2)):  # what each timed graph computed
             for j, outs in timed.outputs.items():

@@ -1,11 +1,12 @@
 """The trusted side of one stage: screen, plan, run the sandbox, judge, write the verdict.
 
 The candidate never runs in this process. The supervisor screens the source, hashes the
-harness's files, draws the seeds, starts `harness.sandbox` (its own process, scratch
-directory, memory limit, no network where the OS allows), and reads its report. Values are
-judged here against the float64 oracle on inputs this process redraws itself from the same
-seeds, so the expected outputs exist only where the candidate cannot reach them; the verdict
-is written only here, after the sandbox and everything it started are dead.
+harness's files, starts `harness.sandbox` (its own process, scratch directory, memory limit, no
+network where the OS allows; a fork of this one when it may fork, harness/processes.py), draws
+the seeds, and reads its report. Values are judged here against the float64 oracle on inputs
+this process redraws itself from the same seeds, so the expected outputs exist only where the
+candidate cannot reach them; the verdict is written only here, after the sandbox and everything
+it started are dead.
 """
 from __future__ import annotations
 
@@ -21,18 +22,13 @@ from pathlib import Path
 
 from contract.job import Job
 from contract.verdict import Verdict
+from harness import caches, processes
 from harness.deadline import Deadline, kill, kill_descendants
 from harness.limits import MemoryWatchdog
 from harness.screen import screen
 
 WORKER_ROOT = Path(__file__).resolve().parent.parent
 WATCHED_TREES = ("harness", "engine_templates", "contract")
-# What the sandbox inherits from the environment: enough for torch, Triton and CUDA; no
-# credentials the controller's environment may hold.
-ENV_KEEP = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED",
-            "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "OMP_NUM_THREADS", "INFERSMITH_CACHE",
-            "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")
-ENV_KEEP_PREFIXES = ("TRITON_", "NVIDIA_", "CUDA_")
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -46,16 +42,24 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     trees = [WORKER_ROOT / t for t in WATCHED_TREES]
     before = tree_digest(trees)
     # From here this process writes no bytecode into the watched trees: every change is the
-    # candidate's. The sandbox starts now and imports torch while this process does the same
-    # (each takes seconds); it gets its job and plan only once the judge has made the plan.
+    # candidate's. The sandbox starts now, before this process starts a thread or draws a seed: a
+    # fork of it when it is a warm fork itself (of the fork server), else a fresh interpreter that
+    # imports torch while this process does the same. It gets its job and plan only once the
+    # judge has made the plan.
     sys.dont_write_bytecode = True
+    if job.stage == "compile":
+        caches.prune_free()
+    sandbox = Sandbox(job, scratch) if job.device != "auto" else None
     deadline = Deadline(job.limit_s, t0)
-    sandbox = Sandbox(job, scratch, deadline) if job.device != "auto" else None
+    if sandbox:
+        sandbox.watch(deadline)
     try:
         from harness.judging import Judge
 
-        judge = Judge(job, v)
-        sandbox = sandbox or Sandbox(job, scratch, deadline, judge.device)
+        judge = Judge(job, v, sources=before)
+        if sandbox is None:
+            sandbox = Sandbox(job, scratch, judge.device)
+            sandbox.watch(deadline)
         returncode = sandbox.run(judge)
     finally:
         deadline.cancel()
@@ -68,7 +72,18 @@ def supervise(job: Job, scratch: Path) -> Verdict:
                                            f"{'; '.join(changes[:5])}")
     judge.finish(returncode, deadline)
     v.wall_s = time.perf_counter() - t0
+    _note_phases(v, job.stage, [("prepare", t0), ("sandbox_start", sandbox.started_at), *judge.marks.items(),
+                                ("end", time.perf_counter())])
     return v
+
+
+def _note_phases(v: Verdict, stage: str, points: list[tuple[str, float]]) -> None:
+    """Seconds of each part of the stage, as far as it got: preparing (screening, hashing,
+    starting the sandbox), the sandbox's start (to its first frame), the baselines (until the
+    candidate loads), the candidate (loading it, and the stage's work) and the end."""
+    names = {"isolation": "baselines", "loading": "candidate", "done": "finish"}
+    for (name, at), (_, until) in zip(points, points[1:]):
+        v.phases[f"{stage}/{names.get(name, name)}"] = until - at
 
 
 def _screened(job: Job, v: Verdict) -> bool:
@@ -85,8 +100,8 @@ def _screened(job: Job, v: Verdict) -> bool:
     return True
 
 
-def _sandbox_env(scratch: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_KEEP_PREFIXES)}
+def _sandbox_env() -> dict[str, str]:
+    env = processes.clean_env(os.environ)
     env["PYTHONPATH"] = str(WORKER_ROOT)
     # The sandbox writes no bytecode: every change under the harness's trees is the candidate's.
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -122,23 +137,40 @@ class _Report(io.RawIOBase):
 
 class Sandbox:
     """The candidate's process: started with its limits, then given its job and plan on a
-    second line of stdin (the sandbox imports torch in between), then read to the end."""
+    second line of stdin (the sandbox imports torch in between, unless it is a warm fork), then
+    read to the end."""
 
-    def __init__(self, job: Job, scratch: Path, deadline: Deadline, device: str | None = None):
+    def __init__(self, job: Job, scratch: Path, device: str | None = None):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the sandbox stay ours to kill
         self.job, self.device = job, device or job.device
         home = scratch / "sandbox"
         home.mkdir(exist_ok=True)
         self.read_fd, w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
-                                     env=_sandbox_env(scratch), stdin=subprocess.PIPE, pass_fds=(w,))
+        # A supervisor started fresh (not by the fork server) starts a fresh sandbox at once, which
+        # imports torch while this process does: importing first and then forking would do the
+        # two one after the other.
+        why = processes.why_not_fork() or processes.not_warm()
+        self.warm = not why
+        if self.warm:
+            self.proc = _fork_sandbox(home, w)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
+                                         env=_sandbox_env(), stdin=subprocess.PIPE, pass_fds=(w,))
+        self.how = "a fork of the supervisor" if self.warm else f"a fresh interpreter ({why})"
+        self.started_at = time.perf_counter()
         os.close(w)
-        self.deadline = deadline
-        self.deadline.watch(self.proc.pid)
-        self.watchdog = MemoryWatchdog(self.proc.pid, job.rules.memory_mb, lambda: kill(self.proc.pid))
+        self.deadline: Deadline | None = None
+        self.watchdog: MemoryWatchdog | None = None
         self._write({"device": self.device, "memory_mb": job.rules.memory_mb})
         self.ended = False
+
+    def watch(self, deadline: Deadline) -> None:
+        """Held to the stage's limit and its memory limit from now (threads of this process:
+        started only once the sandbox was forked)."""
+        self.deadline = deadline
+        deadline.watch(self.proc.pid)
+        self.watchdog = MemoryWatchdog(self.proc.pid, self.job.rules.memory_mb, lambda: kill(self.proc.pid))
 
     def _write(self, line: dict) -> None:
         self._write_raw(json.dumps(line).encode() + b"\n")
@@ -166,8 +198,9 @@ class Sandbox:
 
     def run(self, judge) -> int | None:
         """Hand over the job and plan, read the report, and end the process and its children."""
-        self._write({"job": self.job.to_json(), "plan": judge.plan,
+        self._write({"job": self.job.to_json(), "plan": judge.plan, "caches": caches.for_stage(self.job),
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
+        judge.v.device["sandbox_start"] = self.how
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
             judge.read(stream, stop=lambda: kill(self.proc.pid), go=self._go,
@@ -181,15 +214,37 @@ class Sandbox:
         if self.ended:
             return
         self.ended = True
-        self.deadline.cancel()
+        if self.deadline:
+            self.deadline.cancel()
         kill(self.proc.pid)
         self.proc.wait()
         try:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass  # the process is gone; nothing was left to flush
-        self.watchdog.stop()
+        if self.watchdog:
+            self.watchdog.stop()
         kill_descendants()
+
+
+def _fork_sandbox(home: Path, report_w: int) -> processes.Forked:
+    """The sandbox as a fork of this process, set up as `python -P -m harness.sandbox FD` would be:
+    stdin a pipe from here, the report channel at FD, the sandbox's environment, this process's
+    directory off the import path."""
+    stdin_r, stdin_w = os.pipe()
+    path = [p for p in sys.path if p not in ("", os.getcwd())]
+
+    def run() -> int:
+        from harness import sandbox
+
+        sys.path[:] = path
+        sys.argv = ["python -m harness.sandbox", str(report_w)]
+        sys.stdin = open(0, encoding="utf-8", closefd=False)  # a reader of its own on the new stdin
+        return sandbox.main()
+
+    pid = processes.fork(run, {0: stdin_r, 1: 1, 2: 2, report_w: report_w}, str(home), _sandbox_env())
+    os.close(stdin_r)
+    return processes.Forked(pid, os.fdopen(stdin_w, "wb"))
 
 
 def _remove_planted(changes: list[str]) -> None:

@@ -135,6 +135,13 @@ def graphs_off() -> str:
     return _graphs_off
 
 
+def turn_graphs_off(why: str) -> None:
+    """Time later graphs of this process with events, as the baselines it reuses were (`why`:
+    what failed to capture where they were measured; '' leaves graphs on)."""
+    global _graphs_off
+    _graphs_off = _graphs_off or why
+
+
 def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method) -> Timed:
     """The median time per call. A function that cannot be captured in a CUDA graph (host syncs,
     graphs of its own) is timed with events instead — honest code is not rejected for that, and

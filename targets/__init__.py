@@ -72,11 +72,21 @@ class Budget(BaseModel):
     wall_clock_s: PositiveFloat = Field(3600.0, description="stop proposing after this long")
     plateau: PositiveInt = Field(
         24, description="stop after this many candidates in a row without a 1% better score")
-    stage_timeout_s: PositiveFloat = Field(600.0, description="time limit of one stage of one candidate")
+    stage_timeout_s: PositiveFloat = Field(600.0, description="time limit of any one stage of one candidate: the "
+                                           "microbench's, and the most the others get")
+    compile_timeout_s: PositiveFloat = Field(
+        120.0, description="the compile stage's limit (when under stage_timeout_s): a hang stops here")
+    check_timeout_s: PositiveFloat = Field(
+        180.0, description="the check stage's limit (when under stage_timeout_s): a hang stops here")
     max_tokens_total: PositiveInt | None = Field(
         None, description="stop before the proposer's tokens (input, cached input, output) would pass this")
     max_usd: PositiveFloat | None = Field(
         None, description="stop before the dollars spent (proposer tokens and GPU time) would pass this")
+
+    def stage_limit(self, stage: str) -> float:
+        """Seconds the stage may run: its kind's own limit, at most stage_timeout_s."""
+        own = {"compile": self.compile_timeout_s, "check": self.check_timeout_s}.get(stage, self.stage_timeout_s)
+        return min(own, self.stage_timeout_s)
 
 
 class TrafficPattern(BaseModel):

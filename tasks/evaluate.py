@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from contract.job import STAGES, Candidate, Job, Rules, Shape
 from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
+from gpu_pool.baselines import Baselines
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
 from gpu_pool.health import HostFault
 from gpu_pool.local import StageRun
@@ -63,12 +64,18 @@ def held_out_jobs(candidate: Candidate, target: Target, slot: Slot, held_out: Se
 
 
 def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Callable[..., StageRun],
-               charge: Charge, jobs: dict[str, Job] | None = None) -> Verdict:
-    """Stages in order (`jobs`, default jobs_for's), stopping at the first that does not pass;
-    one merged verdict."""
+               charge: Charge, jobs: dict[str, Job] | None = None, baselines: Baselines | None = None) -> Verdict:
+    """Stages in order (`jobs`, default jobs_for's), each under its kind's limit
+    (Budget.stage_limit), stopping at the first that does not pass; one merged verdict.
+    `baselines`: the flow's, which the bench job carries for its slot and its verdict adds to."""
     verdict: Verdict | None = None
-    for stage, job in (jobs or jobs_for(candidate, target, slot)).items():
-        run = run_stage(stage, job, slot, target.budget.stage_timeout_s)
+    jobs = dict(jobs or jobs_for(candidate, target, slot))
+    if baselines is not None and "bench" in jobs:
+        jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]))
+    for stage, job in jobs.items():
+        run = run_stage(stage, job, slot, target.budget.stage_limit(stage))
+        if baselines is not None:
+            baselines.keep(slot, job, run.verdict)
         charge.add_stage(stage, run.held_s, slot.usd_per_second)
         if verdict is None:
             verdict = run.verdict
@@ -87,14 +94,14 @@ def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:
 
 
 def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Charge,
-            jobs: Callable[[Slot], dict[str, Job]]) -> Verdict:
+            jobs: Callable[[Slot], dict[str, Job]], baselines: Baselines | None = None) -> Verdict:
     """The stages of jobs(slot) on a leased slot of `slots`; a host fault retries them on another
     host (see gpu_pool.dispatch), and one that no host could run is a `host` crash."""
     def attempt(slot: Slot) -> Verdict:
         charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
         start = time.time()
         try:
-            return run_stages(candidate, target, slot, _stage_task, charge, jobs(slot))
+            return run_stages(candidate, target, slot, _stage_task, charge, jobs(slot), baselines)
         finally:  # while the lease is held: the audit trail that no two candidates shared the slot
             charge.held.append((slot.label, start, time.time()))
 
@@ -109,11 +116,12 @@ def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Cha
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot], tracker: Tracker,
              held_out: list[Shape] | None = None, charge: Charge | None = None,
-             logged_rules: Rules | None = None) -> Outcome:
+             logged_rules: Rules | None = None, baselines: Baselines | None = None) -> Outcome:
     """One candidate, already opened as pending child run `run_id`, on a leased slot of `slots`,
     checked on the held-out shapes too; recorded whatever happens, with the rules it was judged by.
     `charge`: what proposing it already cost (an LLM's tokens), added to. `logged_rules`: a
-    re-run's, in place of the target's."""
+    re-run's, in place of the target's. `baselines`: the flow's store (gpu_pool/baselines.py), so
+    that each slot's are measured once a flow."""
     charge = charge or Charge()
     used: list[Rules] = []
 
@@ -122,7 +130,7 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
         return jobs_for(candidate, target, slot, held_out or (), used[-1])
 
     try:
-        verdict = _judged(candidate, target, slots, charge, jobs)
+        verdict = _judged(candidate, target, slots, charge, jobs, baselines)
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
@@ -143,11 +151,11 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
 
 @task(name="time-held-out", cache_policy=NO_CACHE)
 def time_held_out(outcome: Outcome, target: Target, slots: list[Slot], tracker: Tracker,
-                  held_out: list[Shape]) -> Outcome:
+                  held_out: list[Shape], baselines: Baselines | None = None) -> Outcome:
     """A passed candidate compiled and timed on the held-out shapes; the result goes on its own
     run beside its searched score (Tracker.finish_held_out)."""
     c, charge = outcome.candidate, Charge()
-    verdict = _judged(c, target, slots, charge, lambda slot: held_out_jobs(c, target, slot, held_out))
+    verdict = _judged(c, target, slots, charge, lambda slot: held_out_jobs(c, target, slot, held_out), baselines)
     tracker.finish_held_out(outcome.run_id, verdict, charge)
     return Outcome(c, verdict, charge, outcome.run_id)
 

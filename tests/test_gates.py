@@ -521,8 +521,15 @@ def _frame(kind: str, tensors=(), **fields) -> bytes:
 
 
 # A first shape's timing frame as the sandbox sends it, on a CPU (wall clock, no torch.compile).
-FIRST_TIMING = dict(label="decode_b1", dims={}, candidate_us=1.0, candidate_us_repeat=1.0, eager_us=50.0,
-                    compile_us=None, method="wall", sets=2)
+FIRST_TIMING = dict(label="decode_b1", dims={}, candidate_us=1.0, candidate_us_repeat=1.0, method="wall", sets=2)
+
+
+def _baselines_then_loading(judge) -> bytes:
+    """What the bench stage's sandbox sends before it loads the candidate: every planned shape's
+    baselines (harness/baselines.py), measured there, then `loading`."""
+    return b"".join(_frame("baseline", label=item["shape"], eager_us=50.0, eager_how="wall", eager_fallback="",
+                           compile_us=None, compile_how="", compile_fallback="", graphs_off="")
+                    for item in judge.plan["shapes"]) + _frame("loading")
 
 
 def _probe_frame(judge, phase: str, j: int) -> bytes:
@@ -591,7 +598,7 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
         timings = _frame("timing", graph_outputs=-2 if forged == "negative count" else 0, **FIRST_TIMING)
         if forged == "second timing":
             timings += _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": 0.01})
-        stream = timings + probes + probe("refill", 0) + probe("refill", 1)
+        stream = _baselines_then_loading(judge) + timings + probes + probe("refill", 0) + probe("refill", 1)
     judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True)
     judge.finish(-9, _deadline(17.5))
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
@@ -611,7 +618,7 @@ def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_jud
     for outputs, kept in ((True, ["decode_b1"]), (False, [])):
         v = Verdict("rmsnorm", "c")
         judge = Judge(job, v)  # its plan draws the seeds the frames' outputs are computed from
-        stream = _frame("timing", graph_outputs=0, **FIRST_TIMING)
+        stream = _baselines_then_loading(judge) + _frame("timing", graph_outputs=0, **FIRST_TIMING)
         if outputs:
             stream += b"".join(_probe_frame(judge, phase, j) for phase in ("timed", "refill") for j in (0, 1))
         judge.read(io.BytesIO(stream), stop=lambda: None)
@@ -620,6 +627,7 @@ def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_jud
         assert v.failing_gate.detail.startswith("the candidate's process ended (killed by signal 11) before its "
                                                 "report was complete; ")
         assert [t.label for t in v.timings] == kept
+        assert all(t.eager_us == 50.0 for t in v.timings)  # the baselines sent before the candidate loaded
         if not kept:
             assert "timed but not yet judged (dropped): decode_b1" in v.failing_gate.detail
 
@@ -636,7 +644,8 @@ def test_a_sandbox_killed_over_its_memory_keeps_only_the_timings_whose_outputs_w
                    CPU_SLOT)["bench"]
     v = Verdict("rmsnorm", "c")
     judge = Judge(job, v)
-    judge.read(io.BytesIO(_frame("timing", graph_outputs=0, **FIRST_TIMING)), stop=lambda: None)
+    judge.read(io.BytesIO(_baselines_then_loading(judge) + _frame("timing", graph_outputs=0, **FIRST_TIMING)),
+               stop=lambda: None)
     judge.memory_exceeded(5000.0)
     judge.finish(-9, _deadline(None))
     assert (v.status, v.failing_gate.name) == ("crash", "memory"), v.to_json()

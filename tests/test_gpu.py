@@ -102,6 +102,36 @@ def test_an_uncapturable_function_is_timed_with_events_and_graphs_stay_off_after
         timing._graphs_off = ""
 
 
+@pytest.mark.parametrize("op_name, target", [("rmsnorm", TARGET), ("fused_moe", Target(model="tiny-moe", dtype="fp32"))])
+def test_a_slots_baselines_are_reused_by_the_next_candidate_timed_as_they_were(op_name, target):
+    """Stages forked from the warm fork server; the second candidate on the slot reuses the first's
+    baselines (torch.compile's included) after its drift check. Where a baseline could not be
+    captured (fused_moe's eager code at fp32), every contender of the second is timed with events
+    too, whether it reused the baselines or its drift check had them measured again."""
+    from gpu_pool.baselines import Baselines
+    from gpu_pool.local import LocalExecutor
+    from gpu_pool.pool import local_pool
+    from tasks.evaluate import run_stages
+    from tracking.ledger import Charge
+
+    slot, executor, store = local_pool().slots()[0], LocalExecutor(), Baselines()
+    template = next(iter(get_op(op_name).templates.values()))
+    first, second = [run_stages(Candidate(op=op_name, kind="template", template=template.name, point=point), target,
+                                slot, lambda stage, job, s, t: executor.run(job, s, t), Charge(), baselines=store)
+                     for point in (template.default, {**template.default, "num_warps": 8})]
+    for v in (first, second):
+        assert v.status == "pass" and v.device["sandbox_start"] == "a fork of the supervisor", v.to_json()
+    assert first.baselines["source"] == "timed"
+    if op_name == "rmsnorm":
+        assert second.baselines["source"] == "cached", second.baselines
+        assert [t.compile_us for t in second.timings] == [t.compile_us for t in first.timings]
+    else:
+        assert first.baselines["graphs_off"]
+        for t in second.timings:
+            assert t.method.startswith("events") and "eager: graph" not in t.method, t.method
+            assert "compile: graph" not in t.method and "repeat: graph" not in t.method, t.method
+
+
 def test_engine_profile_splits_a_decode_step_into_kernels(tmp_path):
     import subprocess
     import sys

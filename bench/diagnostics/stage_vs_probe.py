@@ -20,7 +20,8 @@ from engine_templates.models import PRESETS
 from engine_templates.ops.base import generator
 from engine_templates.ops.silu_mul import FLAT_TEMPLATE, OP
 from harness import stages
-from harness.judging import fresh_seeds
+from harness.baselines import measure_all
+from harness.plan import fresh_seeds
 from harness.timing import Method, by_graph, median_us, rotation_count
 
 order = sys.argv[1] if len(sys.argv) > 1 else ""
@@ -43,7 +44,7 @@ l2 = torch.cuda.get_device_properties(0).L2_cache_size
 if "fraction" in sys.argv:
     torch.cuda.set_per_process_memory_fraction(0.8)
 fn = FLAT_TEMPLATE.build(dict(FLAT_TEMPLATE.default))
-# The plan as harness.judging.Judge._bench_plan makes it, with the H200's measured copy rate
+# The plan as harness.plan.bench_plan makes it, with the H200's measured copy rate
 # (4.25 TB/s, ../shared/ANCHORS.md) for the ceiling the supervisor would measure.
 COPY_BYTES_PER_US = 4.25e6
 counts = [rotation_count(OP.bytes(s, bf), l2) for s in shapes]
@@ -55,7 +56,7 @@ plan = {"shapes": [{"shape": s.label, "sets": fresh_seeds(n), "refill": fresh_se
 def send(kind, *a, **kw):
     if kind == "timing":
         print(f"stage {kw['label']:14s} cand {kw['candidate_us']:7.2f} rep {kw['candidate_us_repeat']:7.2f} "
-              f"eager {kw['eager_us']:7.2f} compile {kw['compile_us']:7.2f} sets {kw['sets']} {kw['method']}", flush=True)
+              f"sets {kw['sets']} {kw['method']}", flush=True)
     elif kind == "gate":
         print("stage gate", kw, flush=True)
 
@@ -80,13 +81,21 @@ def probe(tag, rep_ms, use_plan_seeds):
                     f"{k} {us:.2f}" for k, us in kernel_us(f, arg_sets).items()), flush=True)
 
 
+def stage():
+    """The bench stage as the sandbox runs it: the baselines first, then the candidate."""
+    base = measure_all(job, OP, "cuda", plan, send, lambda: True)
+    for label, (eager, comp) in base.items():
+        print(f"stage {label:14s} eager {eager.us:7.2f} compile {comp.us:7.2f}", flush=True)
+    stages.bench_stage(job, OP, fn, "cuda", plan, send, base)
+
+
 if order == "stage":
-    stages.bench_stage(job, OP, fn, "cuda", plan, send)
+    stage()
 elif order == "stage-first":
-    stages.bench_stage(job, OP, fn, "cuda", plan, send)
+    stage()
     probe("probe(plan seeds,100)", 100.0, True)
     probe("probe(0..n,200)", 200.0, False)
 else:
     probe("probe(0..n,200)", 200.0, False)
     probe("probe(plan seeds,100)", 100.0, True)
-    stages.bench_stage(job, OP, fn, "cuda", plan, send)
+    stage()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What a candidate costs on one GPU host that has torch and triton but no package index: installs
+# the carried controller wheels (infra/controller_wheels.sh), then runs bench/candidate_cost.py —
+# a TPE search of each budget in BUDGETS — and appends its markdown breakdown to $OUT/cost.md.
+# Usage (repo root, wheels in .whl/):
+#   OUT=dir [OP=rmsnorm] [MODEL=qwen3-8b] [BUDGETS="24 100"] [ARCHIVE=file.tgz] bash bench/candidate_cost.sh
+# Each budget is a flow of its own; the later ones' proposer sees the earlier ones' trials.
+set -uo pipefail
+out=${OUT:?set OUT to a folder for the results}
+mkdir -p "$out"
+source "$(dirname "$0")/gpu_env.sh"
+trap pack_home EXIT  # also when a time limit interrupts the run: what finished comes back
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/cost.md"
+for budget in ${BUDGETS:-24 100}; do
+    echo "## ${OP:-rmsnorm} ${MODEL:-qwen3-8b}, TPE, budget $budget ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))" \
+        | tee -a "$out/cost.md"
+    python3 bench/candidate_cost.py --op "${OP:-rmsnorm}" --model "${MODEL:-qwen3-8b}" --budget "$budget" \
+        2>> "$out/cost.log" | tee -a "$out/cost.md"
+    pack_home
+done

@@ -1,0 +1,67 @@
+"""What the supervisor asks of the sandbox, drawn before the sandbox sees it: the check stage's
+calls (shape, input distribution, seed), and the bench stage's input sets per shape, how each
+shape is timed (`timing.by_graph`), its roofline, and the baselines to measure or to check
+(harness/baselines.py). Seeds come from the operating system's entropy, in this process."""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+
+from contract.job import Job
+from engine_templates import ceilings
+from engine_templates.ops.base import DISTRIBUTIONS, DTYPES
+from harness import baselines, timing
+
+_seeds = random.SystemRandom()
+
+
+def check_plan(job: Job) -> dict:
+    dists = itertools.cycle(DISTRIBUTIONS)
+    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
+             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
+    return {"calls": calls}
+
+
+def fresh_seeds(n: int) -> list[int]:
+    return [_seeds.getrandbits(62) for _ in range(n)]
+
+
+def probe_items(spec: dict) -> set[str]:
+    """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
+    call on its first and its last input set."""
+    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
+
+
+@dataclass
+class BenchPlan:
+    plan: dict  # what the sandbox gets
+    roofline: dict[str, tuple[float, int, int]]  # per shape: roofline us, bytes, FLOPs
+    key: dict  # how the baselines are measured here (baselines.key)
+    book: baselines.Book
+
+
+def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -> BenchPlan:
+    """`info`: the device's description (harness.device.describe), given its ceilings here, before
+    the candidate runs. `sources`: the worker's trees as the supervisor hashed them."""
+    dtype = job.rules.dtype
+    ceil = ceilings.ceilings(device, info, dtype)
+    info["ceilings"] = ceil
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
+    l2 = info.get("l2_bytes", 0) if device == "cuda" else 0
+    roofline, items = {}, []
+    for shape in job.shapes:
+        nbytes, flops = op.bytes(shape, DTYPES[dtype]), op.flops(shape)
+        roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
+        roofline[shape.label] = (roof, nbytes, flops)
+        n = timing.rotation_count(nbytes, l2) if device == "cuda" else 2
+        items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
+                      "graph": timing.by_graph(device, roof, job.rules.launch_bound_us)})
+    key = baselines.key(job, info, items, sources)
+    section = baselines.plan(job, key)
+    return BenchPlan({"shapes": items, "baselines": section}, roofline, key,
+                     baselines.Book(section, [i["shape"] for i in items]))
+
