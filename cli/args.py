@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 from typing import Callable
 
@@ -143,6 +144,10 @@ def prefect_early() -> Callable[[], None]:
     after. Returns the wait for it, to call before the flow starts (which would otherwise start
     a second one); the wait raises what starting it raised."""
     failed: list[BaseException] = []
+    # Prefect announces the temporary server as it starts and stops it at exit: started this early,
+    # those lines would surround a command's one-line refusal (a store it cannot open). The flow's
+    # own lines (its name, the URL to view it at) come from other loggers and stay.
+    logging.getLogger("prefect").addFilter(lambda r: "temporary server" not in str(r.msg))
 
     def start() -> None:
         from prefect.settings import get_current_settings

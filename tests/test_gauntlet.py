@@ -21,7 +21,7 @@ from gpu_pool.local import LocalExecutor
 from gpu_pool.pool import local_pool
 from targets import Target
 
-TARGET = Target(model="tiny", budget={"stage_timeout_s": 120})
+TARGET = Target(model="tiny", budget={"stage_timeout_s": 300})  # room for a loaded 2-core machine
 CASES = load_cases()
 RED_TEAM_VECTORS = {"stale output", "input mutation", "caching", "constant / low-signal output", "hidden work",
                     "lazy result", "timer patching", "reference fallback", "precision downgrade"}

@@ -118,7 +118,9 @@ def test_openai_replies_are_judged_by_the_gates_and_a_silent_endpoint_ends_the_f
 
     # every request carried the key; the 429 was retried by the SDK, the silence too, then given up
     assert all(r["headers"]["authorization"] == f"Bearer {key}" for r in requests)
-    assert len(requests) == len(script) + 2 and all(r["path"] == "/v1/chat/completions" for r in requests)
+    # then silence: each proposal waiting on it asked once and once more (--llm-max-retries 1); the
+    # flow proposes the next candidate while one runs, so one or two proposals were waiting
+    assert len(requests) - len(script) in (2, 4) and all(r["path"] == "/v1/chat/completions" for r in requests)
     assert requests[0]["body"]["model"] == "scripted-coder"
     later = requests[-1]["body"]["messages"][1]["content"]  # the history came back in the prompt
     assert HONEST.strip() in later and "inputs_unchanged" in later and "malformed at gate `reply`" in later

@@ -47,7 +47,10 @@ def test_the_shipped_nightly_plan_is_valid():
 
 
 def test_every_op_runs_on_every_target_as_subflows_and_a_failed_one_does_not_stop_the_rest(
-        prefect_server, tracking_home):
+        prefect_server, tmp_path, monkeypatch):
+    # a store of its own: other tests of the session leave optimizations of the same targets
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
