@@ -176,8 +176,8 @@ def prefect_early() -> Callable[[], None]:
 def open_store() -> None:
     """Open the tracking store, and reach the S3 bucket when one is configured, before a flow starts:
     a store this MLflow cannot open or a bucket out of reach is then one line (TrackingStoreError,
-    ArtifactStoreError, in main) rather than a traceback that Prefect logs from the flow."""
-    from tracking.artifacts import S3Store
+    ObjectStoreError, in main) rather than a traceback that Prefect logs from the flow."""
+    from object_store.s3 import S3Store
     from tracking.store import TrackingConfig, client
 
     client(TrackingConfig.from_env())

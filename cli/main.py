@@ -6,7 +6,8 @@ import sys
 
 from cli import engine, gauntlet, kb, mcp, op, platform, pool, rerun, serve, tracking
 from cli.args import USAGE_ERROR, Parser, UsageError
-from tracking.errors import ArtifactStoreError, TrackingStoreError
+from object_store import ObjectStoreError
+from tracking.errors import TrackingStoreError
 
 GROUPS = (op, tracking, rerun, kb, mcp, gauntlet, pool, serve, engine, platform)
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except (TrackingStoreError, ArtifactStoreError) as e:
+    except (TrackingStoreError, ObjectStoreError) as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return 1
     except Exception as e:

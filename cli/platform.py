@@ -133,11 +133,12 @@ def cmd_up(args) -> int:
         raise UsageError(str(e)) from None
     # the slower checks (the flows' imports: torch, Prefect, MLflow) after the quick ones
     from flows.deployments import register
-    from tracking.artifacts import S3Location, S3Store
+    from object_store import S3Location
+    from object_store.s3 import S3Store
 
     if s.s3:
         try:
-            S3Store(S3Location.parse(s.s3)).check()  # ArtifactStoreError: one line, exit 1
+            S3Store(S3Location.parse(s.s3)).check()  # ObjectStoreError: one line, exit 1
         except ValueError as e:
             raise UsageError(f"--artifacts: {e}") from None
     deploy, explicit = _deploy_settings(args)

@@ -3,7 +3,8 @@
 `infersmith deploy` (and `infersmith up`) registers them on the Prefect server that
 PREFECT_API_URL names, on a process work pool whose workers run them. Each deployment's form is
 its flow's typed parameters (the Target, the SweepPlan, the Pool): the UI renders them and the
-server refuses a value they do not allow before any run starts. A deployment's entry point is a
+server refuses a value they do not allow, and a parameter the flow does not have, before any run
+starts. A deployment's entry point is a
 module path, so a worker runs them wherever infersmith is installed, from any directory.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.schedules import Cron
+from prefect.utilities.callables import ParameterSchema
 from prefect.workers.process import ProcessWorker
 
 from flows.optimize_engine import optimize_engine
@@ -46,6 +48,21 @@ class DeploySettings:
         return f"{flow_name}-{self.work_pool.removeprefix(DEFAULT_WORK_POOL + '-')}"
 
 
+class _ClosedParameters(ParameterSchema):
+    """A flow's parameter schema that also refuses a parameter the flow does not have."""
+
+    additionalProperties: bool = False
+
+
+def _closed(d: RunnerDeployment) -> RunnerDeployment:
+    """`d` with its form closed: Prefect's schema checks the fields inside a pydantic parameter
+    (extra="forbid") but lets an unknown top-level parameter through to a run that would then fail
+    on the worker; closed, the server refuses it when the run is created, naming it."""
+    schema = d._parameter_openapi_schema  # what apply() registers; Prefect offers no public setter
+    d._parameter_openapi_schema = _ClosedParameters(**schema.model_dump(exclude_unset=True), additionalProperties=False)
+    return d
+
+
 def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> list[RunnerDeployment]:
     """Every deployment, as Prefect objects; nothing is registered yet. A nightly flow not in
     `scheduled` is declared with no schedule, which leaves the one the server has as it is."""
@@ -55,7 +72,7 @@ def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> lis
     def nightly(name: str) -> list[Cron] | None:
         return [Cron(s.cron, timezone=s.timezone, active=s.active, slug=SCHEDULE_SLUG)] if name in scheduled else None
 
-    return [
+    return [_closed(d) for d in (
         optimize_op.to_deployment(s.name(optimize_op.name), parameters=pool, description="Optimize one op for one "
                                   "target: every candidate a child run of the op's MLflow experiment.", **common),
         optimize_engine.to_deployment(s.name(optimize_engine.name), parameters=pool, description="Search engine "
@@ -66,7 +83,7 @@ def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> lis
         revalidate.to_deployment(s.name(revalidate.name), parameters=pool, schedules=nightly(revalidate.name),
                                  description="Today's winners run again on today's torch, triton, CUDA and driver; "
                                  "a regression fails the run, with an artifact naming it.", **common),
-    ]
+    )]
 
 
 def ensure_work_pool(name: str) -> None:

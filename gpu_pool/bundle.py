@@ -22,6 +22,7 @@ WORKER_PACKAGES = ("contract", "harness", "engine_templates")
 class Bundle:
     digest: str  # sha256 of the tarball, first 16 hex digits
     tarball: bytes
+    sha256: str  # all of it, checked by a host that fetches the tarball from S3
 
 
 def _files(root: Path):
@@ -40,7 +41,8 @@ def build_bundle(root: Path = WORKER_ROOT) -> Bundle:
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
     tarball = gzip.compress(raw.getvalue(), mtime=0)
-    return Bundle(hashlib.sha256(tarball).hexdigest()[:16], tarball)
+    sha256 = hashlib.sha256(tarball).hexdigest()
+    return Bundle(sha256[:16], tarball, sha256)
 
 
 @lru_cache(maxsize=1)

@@ -3,6 +3,11 @@
 Remote layout under the host's workdir: `bundles/<digest>/` (harness/ and engine_templates/,
 unpacked once per digest) and `runs/<candidate>-<stage>-<nonce>/` (job.json, verdict.json,
 logs, and the stage's session id, removed after the stage).
+
+The bundle travels over SFTP, or, when INFERSMITH_S3_URI names a bucket, through it: uploaded
+once per content under `bundles/<digest>.tgz`, and fetched by the host with a presigned link
+that its own Python reads from stdin, so that no credential, and no link, reaches the host's
+files, its process list or a log.
 """
 from __future__ import annotations
 
@@ -17,15 +22,48 @@ from pathlib import Path
 import paramiko
 
 from contract.job import Job
-from gpu_pool.bundle import current_bundle
+from gpu_pool.bundle import Bundle, current_bundle
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.local import StageRun, verdict_from
 from gpu_pool.pool import Host, Slot
+from object_store import ObjectStoreError
+from object_store.s3 import S3Store
 
 # The host kills the stage itself this long after the controller's limit, in case the
 # controller died and could not.
 REMOTE_GRACE_S = 30.0
 POLL_S = 0.1
+BUNDLE_LINK_S = 600  # how long a host's presigned link to the bundle on S3 lasts
+FETCH_S = 300.0  # how long a host may take to fetch it
+
+# Run by the host's Python, standard library only: the presigned link on stdin (never in argv), the
+# tarball to argv[1], refused unless its sha256 is argv[2]. Reasons never quote the link.
+FETCH = r"""
+import hashlib, http.client, os, sys, urllib.error, urllib.request
+path, want = sys.argv[1], sys.argv[2]
+def fail(reason, code=1):
+    if os.path.exists(path):
+        os.remove(path)
+    print(reason, file=sys.stderr)
+    sys.exit(code)
+digest = hashlib.sha256()
+try:
+    with urllib.request.urlopen(sys.stdin.readline().strip(), timeout=60) as r, open(path, "wb") as f:
+        for chunk in iter(lambda: r.read(1 << 20), b""):
+            digest.update(chunk)
+            f.write(chunk)
+except urllib.error.HTTPError as e:
+    fail(f"HTTP {e.code} {e.reason}")
+except urllib.error.URLError as e:
+    fail(str(e.reason))
+except OSError as e:
+    fail(f"{type(e).__name__}: {e.strerror or e}")
+except (http.client.HTTPException, ValueError) as e:
+    fail(type(e).__name__)
+if digest.hexdigest() != want:
+    fail(f"its sha256 is {digest.hexdigest()}", 3)
+"""
+DIGEST_MISMATCH = 3
 
 
 def connect(host: Host) -> paramiko.SSHClient:
@@ -65,11 +103,16 @@ def connect(host: Host) -> paramiko.SSHClient:
     return client
 
 
-def run_command(client: paramiko.SSHClient, host: Host, command: str, timeout_s: float = 60.0) -> tuple[int, str, str]:
-    """Exit status, stdout and stderr of a short command; HostUnreachable if the connection drops,
-    a HostFault if the command runs past timeout_s (the channel is closed; it may run on there)."""
+def run_command(client: paramiko.SSHClient, host: Host, command: str, timeout_s: float = 60.0,
+                stdin: str | None = None) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of a short command, `stdin` its input; HostUnreachable if the
+    connection drops, a HostFault if the command runs past timeout_s (the channel is closed; it may
+    run on there)."""
     try:
-        _, out, err = client.exec_command(command, timeout=timeout_s)
+        into, out, err = client.exec_command(command, timeout=timeout_s)
+        if stdin is not None:
+            into.write(stdin)
+            into.channel.shutdown_write()
         if not out.channel.status_event.wait(timeout_s):
             out.channel.close()
             raise HostFault(host, f"`{_short(command)}` did not finish within {timeout_s:g} s")
@@ -109,18 +152,17 @@ def ensure_bundle(client: paramiko.SSHClient, host: Host, workdir: str) -> tuple
     target = f"{workdir}/bundles/{bundle.digest}"
     if run_command(client, host, f"test -d {shlex.quote(target)}")[0] == 0:
         return target, False
+    store = S3Store.from_env()
+    on_s3 = _uploaded(store, bundle) if store is not None else None
     nonce = uuid.uuid4().hex[:8]
     tmp_tar, tmp_dir = f"{workdir}/bundles/.{bundle.digest}-{nonce}.tgz", f"{workdir}/bundles/.{bundle.digest}-{nonce}"
     rc, _, err = run_command(client, host, f"mkdir -p {shlex.quote(tmp_dir)}")
     if rc != 0:
         raise HostFault(host, f"cannot create {tmp_dir} for the worker bundle: {err.strip()}")
-    try:
-        with client.open_sftp() as sftp:
-            sftp.putfo(io.BytesIO(bundle.tarball), tmp_tar)
-    except (paramiko.SSHException, OSError, EOFError) as e:
-        if not client.get_transport().is_active():
-            raise HostUnreachable(host, f"connection lost sending the worker bundle: {e}") from None
-        raise HostFault(host, f"cannot write the worker bundle to {tmp_tar}: {e}") from None
+    if on_s3 is None:
+        _send(client, host, bundle, tmp_tar)
+    else:
+        _fetch(client, host, bundle, *on_s3, tmp_tar, tmp_dir)
     # Unpacked beside, then renamed into place: a concurrent sender or a reader never sees half a bundle.
     q = shlex.quote
     rc, _, err = run_command(client, host, f"tar xzf {q(tmp_tar)} -C {q(tmp_dir)} && rm -f {q(tmp_tar)} && "
@@ -129,6 +171,40 @@ def ensure_bundle(client: paramiko.SSHClient, host: Host, workdir: str) -> tuple
     if rc != 0:
         raise HostFault(host, f"cannot unpack the worker bundle: {err.strip()}")
     return target, True
+
+
+def _send(client: paramiko.SSHClient, host: Host, bundle: Bundle, tmp_tar: str) -> None:
+    try:
+        with client.open_sftp() as sftp:
+            sftp.putfo(io.BytesIO(bundle.tarball), tmp_tar)
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        if not client.get_transport().is_active():
+            raise HostUnreachable(host, f"connection lost sending the worker bundle: {e}") from None
+        raise HostFault(host, f"cannot write the worker bundle to {tmp_tar}: {e}") from None
+
+
+def _uploaded(store: S3Store, bundle: Bundle) -> tuple[str, str]:
+    """The bundle's S3 URI and a presigned link to it, uploaded unless there already. A bucket out of
+    the controller's reach is an ObjectStoreError that fails the run: no host is to blame."""
+    name = f"bundles/{bundle.digest}.tgz"
+    store.put_once(bundle.tarball, name)
+    return store.location.uri(name), store.presigned_get(name, BUNDLE_LINK_S)
+
+
+def _fetch(client: paramiko.SSHClient, host: Host, bundle: Bundle, uri: str, link: str, tmp_tar: str,
+           tmp_dir: str) -> None:
+    """The host fetches the bundle to tmp_tar; tmp_dir is removed if it cannot. Unable to, the host is
+    at fault; an object that is not the bundle is an ObjectStoreError (every host would refuse it)."""
+    q = shlex.quote
+    command = (f"{host.python} -c {q(FETCH)} {q(tmp_tar)} {bundle.sha256} "
+               f"|| {{ rc=$?; rmdir {q(tmp_dir)}; exit $rc; }}")
+    rc, _, err = run_command(client, host, command, FETCH_S, stdin=link + "\n")
+    reason = (err.strip().splitlines() or [f"exit code {rc}"])[-1]
+    if rc == DIGEST_MISMATCH:
+        raise ObjectStoreError(f"S3: the worker bundle {uri} is not the one uploaded ({reason}, not "
+                               f"{bundle.sha256}): refused; delete it and the next stage sends it again")
+    if rc != 0:
+        raise HostFault(host, f"cannot fetch the worker bundle {uri}: {reason}")
 
 
 def worker_env(slot: Slot, bundle_dir: str) -> dict[str, str]:

@@ -13,8 +13,8 @@ from moto_s3 import CREDENTIALS, s3_server
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
 
+from object_store import ObjectStoreError
 from tracking.artifacts import Results
-from tracking.errors import ArtifactStoreError
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_without_a_bucket_nothing_is_archived(monkeypatch, tmp_path):
 def test_an_unreachable_store_fails_before_anything_runs_and_names_no_secret(s3_env):
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     s3_env.setenv("AWS_ENDPOINT_URL", endpoint)
-    with pytest.raises(ArtifactStoreError) as e:
+    with pytest.raises(ObjectStoreError) as e:
         Results("infersmith-rmsnorm")
     message = str(e.value)
     assert message.startswith(f"S3 unreachable: cannot reach bucket results-bucket at {endpoint}")
@@ -61,7 +61,7 @@ def test_a_failed_upload_fails_saying_so_and_keeps_the_results_here(s3_env, tmp_
     with s3_server(tmp_path / "moto.log", buckets=("results-bucket",)) as s3:
         s3_env.setenv("AWS_ENDPOINT_URL", s3.endpoint)
         results = Results("infersmith-rmsnorm")  # reachable when the flow starts ...
-    with pytest.raises(ArtifactStoreError) as e:  # ... and gone when it ends
+    with pytest.raises(ObjectStoreError) as e:  # ... and gone when it ends
         results.publish("run9", {"leaderboard.json": [{"score": 1.5}]})
     kept = tmp_path / "home" / "results" / "infersmith-rmsnorm" / "run9.tar.gz"
     assert str(e.value).startswith("S3 unreachable: cannot upload results/infersmith-rmsnorm/run9.tar.gz")

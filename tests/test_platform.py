@@ -201,13 +201,20 @@ def registered(stack: Stack) -> None:
     assert [p["name"] for p in stack.record()["processes"]] == ["prefect-server", "mlflow-server", "worker"]
 
 
-BAD_PARAMETERS = [
-    ("optimize-op/optimize-op", {"op": "nope"}, "op"),
-    ("optimize-op/optimize-op", {"op": "rmsnorm", "target": {"model": "qwen9"}}, "target.model"),
+FIELD = "Validation failed for field '{}'"
+UNEXPECTED = "Additional properties are not allowed ('{}' was unexpected)"
+BAD_PARAMETERS = [  # (deployment, parameters, what the refusal says: the field named)
+    ("optimize-op/optimize-op", {"op": "nope"}, FIELD.format("op")),
+    ("optimize-op/optimize-op", {"op": "rmsnorm", "target": {"model": "qwen9"}}, FIELD.format("target.model")),
     ("optimize-op/optimize-op", {"op": "rmsnorm", "target": {"model": "tiny", "budget": {"candidates": 0}}},
-     "target.budget.candidates"),
-    ("optimize-op/optimize-op", {"op": "rmsnorm", "target": {"model": "tiny", "flavour": "x"}}, "target"),
-    ("sweep/sweep", {"plan": {"ops": ["rmsnorm", "nope"], "targets": [{"model": "tiny"}]}}, "plan.ops[1]"),
+     FIELD.format("target.budget.candidates")),
+    # an unknown field inside a parameter, and an unknown parameter: each named
+    ("optimize-op/optimize-op", {"op": "rmsnorm", "target": {"model": "tiny", "flavour": "x"}},
+     f"{FIELD.format('target')}. Failure reason: {UNEXPECTED.format('flavour')}"),
+    ("optimize-op/optimize-op", {"op": "rmsnorm", "targett": {"model": "tiny"}}, UNEXPECTED.format("targett")),
+    ("sweep/sweep", {"plan": {"ops": ["rmsnorm", "nope"], "targets": [{"model": "tiny"}]}}, FIELD.format("plan.ops[1]")),
+    ("sweep/sweep", {"plan": {"ops": ["rmsnorm"], "targets": [{"model": "tiny"}]}, "pools": None},
+     UNEXPECTED.format("pools")),
 ]
 
 
@@ -217,11 +224,11 @@ def refused(stack: Stack) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: stack.api}):
-        for deployment, parameters, field in BAD_PARAMETERS:
+        for deployment, parameters, named in BAD_PARAMETERS:
             with pytest.raises(PrefectHTTPStatusError) as e:
                 run_deployment(deployment, parameters=parameters, timeout=0)
             assert e.value.response.status_code == 409
-            assert f"Validation failed for field '{field}'" in e.value.response.json()["detail"], parameters
+            assert named in e.value.response.json()["detail"], (parameters, e.value.response.json()["detail"])
 
 
 def second_up_refused(stack: Stack, monkeypatch, capsys) -> None:

@@ -2,14 +2,19 @@
 key and workdir, reached with a generated client key. Candidates run under Triton's interpreter."""
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from loopback_sshd import free_port, loopback_hosts, needs_sshd
+from moto_s3 import CREDENTIALS, s3_server
 
 from flows.optimize_op import optimize_op
 from gpu_pool.bundle import current_bundle
@@ -67,6 +72,133 @@ def test_the_bundle_is_sent_once_per_content(loopback):
     assert (sent_first, sent_again) == (True, False) and first == again
     assert Path(first).name == current_bundle().digest
     assert (Path(first) / "harness" / "__main__.py").exists()
+
+
+BUNDLES_BUCKET = "bundles-bucket"
+# what must never reach a host's files, its command lines or its environment
+SECRETS = (CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"], "X-Amz-", "Signature=")
+
+
+@pytest.fixture
+def bundles_on_s3(tmp_path, monkeypatch):
+    """moto's S3 server, named to the controller as INFERSMITH_S3_URI with its keys, as a team's is."""
+    with s3_server(tmp_path / "moto.log", buckets=(BUNDLES_BUCKET,)) as s3:
+        for k, v in s3.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("INFERSMITH_S3_URI", f"s3://{BUNDLES_BUCKET}/team")
+        yield s3
+
+
+def _recording_python(tmp_path: Path, name: str, before: str = "") -> tuple[Path, Path]:
+    """A host python that records each command line it is given and the environment it has, then
+    runs the real one: what a person on the host could see of the fetch."""
+    record = tmp_path / f"{name}.record"
+    wrapper = tmp_path / name
+    wrapper.write_text(f'#!/bin/sh\n{{ echo "argv: $*"; env; }} >> {record}\n{before}exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper, record
+
+
+def _no_secret_under(*paths: Path) -> None:
+    for root in paths:
+        for f in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+            text = f.read_bytes().decode(errors="replace")
+            assert not [s for s in SECRETS if s in text], f"{f} holds a credential or a presigned link"
+
+
+def test_a_stage_runs_from_a_bundle_the_host_fetched_from_s3(loopback, bundles_on_s3, tmp_path):
+    from contract.job import Candidate
+    from engine_templates.ops import OPS
+    from gpu_pool.ssh import SSHExecutor
+    from object_store import S3Location
+    from object_store.s3 import S3Store
+    from tasks.evaluate import jobs_for
+
+    python, record = _recording_python(tmp_path, "python")
+    host = loopback.host(loopback.servers[1]).model_copy(update={"workdir": str(tmp_path / "work"),
+                                                                 "python": str(python)})
+    slot = Pool(hosts=[host]).slots()[0]
+    template = next(iter(OPS["rmsnorm"].templates.values()))
+    cand = Candidate(op="rmsnorm", kind="template", template=template.name, point=dict(template.default))
+    run = SSHExecutor().run(jobs_for(cand, Target(model="tiny", dtype="fp32"), slot)["compile"], slot, timeout_s=120)
+    assert run.verdict.status == "pass", run.verdict
+
+    bundle = current_bundle()
+    stored = bundles_on_s3.client().get_object(Bucket=BUNDLES_BUCKET, Key=f"team/bundles/{bundle.digest}.tgz")
+    assert hashlib.sha256(stored["Body"].read()).hexdigest() == bundle.sha256
+    bundles = tmp_path / "work" / "bundles"
+    assert [p.name for p in bundles.iterdir()] == [bundle.digest]  # nothing half-fetched left beside it
+    with tarfile.open(fileobj=io.BytesIO(bundle.tarball), mode="r:gz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        assert members and all((bundles / bundle.digest / m.name).read_bytes() == tar.extractfile(m).read()
+                               for m in members)
+    # the host fetched it with its own python, the link on stdin: no key, no link in what it saw
+    seen = record.read_text()
+    assert "urllib.request.urlopen" in seen and f" {bundle.sha256}" in seen
+    assert "AWS_" not in seen and "://" not in "".join(line for line in seen.splitlines()
+                                                       if line.startswith("argv:"))
+    _no_secret_under(record, tmp_path / "work")
+    # uploaded once per content: a second host finds it there, and it is not sent again
+    assert S3Store(S3Location.parse(f"s3://{BUNDLES_BUCKET}/team")).put_once(b"other", f"bundles/{bundle.digest}.tgz") \
+        is False
+
+
+def test_a_bundle_on_s3_that_is_not_the_uploaded_one_is_refused(loopback, bundles_on_s3, tmp_path):
+    from object_store import ObjectStoreError
+
+    bundle = current_bundle()
+    key = f"team/bundles/{bundle.digest}.tgz"
+    bundles_on_s3.client().put_object(Bucket=BUNDLES_BUCKET, Key=key, Body=bundle.tarball[:-1] + b"x")
+    host = loopback.host(loopback.servers[1]).model_copy(update={"workdir": str(tmp_path / "work")})
+    client = connect(host)
+    try:
+        with pytest.raises(ObjectStoreError) as refused:
+            ensure_bundle(client, host, workdir_of(client, host))
+    finally:
+        client.close()
+    message = str(refused.value)
+    assert message.startswith(f"S3: the worker bundle s3://{BUNDLES_BUCKET}/{key} is not the one uploaded "
+                              "(its sha256 is ")
+    assert message.endswith("refused; delete it and the next stage sends it again") and "\n" not in message
+    assert list((tmp_path / "work" / "bundles").iterdir()) == []  # nothing unpacked, nothing left
+    _no_secret_under(tmp_path / "work")
+    assert not [s for s in SECRETS if s in message]
+
+
+def test_a_host_that_cannot_fetch_the_bundle_is_a_host_fault_naming_the_bucket(loopback, bundles_on_s3, tmp_path):
+    """The bucket is reachable from the controller but not from the host (here: its traffic goes
+    through a proxy that is not there): the host is at fault, and the work goes elsewhere."""
+    python, _ = _recording_python(tmp_path, "python", before=f"export http_proxy=http://127.0.0.1:{free_port()} "
+                                                              "no_proxy=\n")
+    host = loopback.host(loopback.servers[1]).model_copy(update={"workdir": str(tmp_path / "work"),
+                                                                 "python": str(python)})
+    client = connect(host)
+    try:
+        with pytest.raises(HostFault) as fault:
+            ensure_bundle(client, host, workdir_of(client, host))
+    finally:
+        client.close()
+    uri = f"s3://{BUNDLES_BUCKET}/team/bundles/{current_bundle().digest}.tgz"
+    assert fault.value.reason == f"cannot fetch the worker bundle {uri}: [Errno 111] Connection refused"
+    assert list((tmp_path / "work" / "bundles").iterdir()) == []
+
+
+def test_a_bucket_the_controller_cannot_reach_fails_before_the_host_is_touched(loopback, bundles_on_s3, tmp_path,
+                                                                                monkeypatch):
+    from object_store import ObjectStoreError
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    host = loopback.host(loopback.servers[1]).model_copy(update={"workdir": str(tmp_path / "work")})
+    client = connect(host)
+    try:
+        with pytest.raises(ObjectStoreError) as e:
+            ensure_bundle(client, host, workdir_of(client, host))
+    finally:
+        client.close()
+    assert str(e.value).startswith(f"S3 unreachable: cannot look for bundles/{current_bundle().digest}.tgz in "
+                                   f"bucket {BUNDLES_BUCKET} at {endpoint}: ")
+    assert not (tmp_path / "work" / "bundles").exists()
 
 
 def test_pool_check_reports_each_host_and_an_unreachable_one_as_a_row(loopback, tmp_path, capsys):

@@ -8,7 +8,3 @@ class TrackingStoreError(Exception):
 
 class KnowledgeError(Exception):
     """A knowledge-base request that cannot be met: an unknown entry, a state change it does not allow."""
-
-
-class ArtifactStoreError(Exception):
-    """S3 cannot be used (tracking/artifacts.py); one line naming the bucket, the endpoint and why."""
