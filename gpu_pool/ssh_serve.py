@@ -23,19 +23,21 @@ from typing import Callable
 import paramiko
 
 from contract.serve import AIPerfError, EngineCandidate, PatternRun, Reference, Served, ServeJob, ServerError
-from contract.verdict import FAIL, PASS, Verdict
+from contract.verdict import FAIL, PASS, Gate, Verdict
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.pool import Host, Slot
 from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, workdir_of, worker_env
-from harness.serve.remote import MARKER_VAR, completion_from_dict, job_to_dict, runs_from_dict
+from harness.serve import under_load
+from harness.serve.remote import MARKER_VAR, completion_from_dict, exchange_names, job_to_dict, runs_from_dict
 from harness.serve.server import BALANCER_START_S
-from harness.serve.stage import judge_replicas
+from harness.serve.stage import prompt_numbers, reference_judge
 
 POLL_S = 0.2
 ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit
 STOP_S = 60.0  # stopping one server or balancer (SIGTERM, then SIGKILL after 30 s), and the session's own start
 log = logging.getLogger("infersmith.pool")
-Decide = Callable[[bytes], bool]  # every replica's completions, as the host's file holds them: whether to load
+# (None before load, else the pattern; the completions as the host's file holds them): whether to go on
+Decide = Callable[[str | None, bytes], bool]
 
 
 class ServeSetupError(Exception):
@@ -77,28 +79,35 @@ class SSHServe:
 
     def candidate(self, job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
                   command: str | None = None) -> Served:
-        judged: list[tuple[bool, str, dict]] = []
+        judged: dict[str | None, tuple[bool, str, dict]] = {}
+        judge = reference_judge(reference, job.accuracy)
 
-        def decide(raw: bytes) -> bool:
-            """Every replica's completions, judged here against the answers only this side holds.
-            Anything on the host may have written the file (the candidate's servers run as the
-            same user): what does not parse, or answers for other than every replica, fails."""
+        def decide(pattern: str | None, raw: bytes) -> bool:
+            """The completions, every replica's before load (pattern None) or the balancer's under a
+            pattern's load, judged here against the answers only this side holds, on the prompts
+            this side knows were asked. Anything on the host may have written the file (the
+            candidate's servers run as the same user): what does not parse, or answers for other
+            than every replica (one list under load), fails."""
             try:
                 answers = [[completion_from_dict(c) for c in got] for got in json.loads(raw)]
             except (ValueError, TypeError, KeyError, AttributeError) as e:
-                judged.append((False, f"the completions from {self.label} do not parse ({type(e).__name__}: "
-                                      f"{str(e)[:200]})", {}))
+                judged[pattern] = (False, f"the completions from {self.label} do not parse ({type(e).__name__}: "
+                                          f"{str(e)[:200]})", {})
                 return False
-            if len(answers) != len(job.devices):
-                judged.append((False, f"answers from {len(answers)} replicas, {len(job.devices)} were started", {}))
+            expected = len(job.devices) if pattern is None else 1
+            if len(answers) != expected:
+                judged[pattern] = (False, f"answers from {len(answers)} replicas, {len(job.devices)} were started"
+                                   if pattern is None else f"{len(answers)} lists of answers, 1 expected", {})
                 return False
-            judged.append(judge_replicas(answers, reference.completions, job.accuracy))
-            return judged[0][0]
+            judged[pattern] = judge(pattern, prompt_numbers(job, len(reference.prompts), pattern), answers)
+            return judged[pattern][0]
 
         sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}
         t0 = time.monotonic()
+        rounds = [None] + ([p.name for p in job.patterns] if job.accuracy.under_load else [])
         result, _ = self._session("candidate", job, out, {"candidate": cand.to_dict(), "command": command,
-                                                          "prompts": reference.prompts, "sources": sources}, decide)
+                                                          "prompts": reference.prompts, "sources": sources},
+                                  (decide, rounds))
         if "verdict" not in result:
             _raise_error(result, self.slot.host, self.label, "candidate", verdict_instead=True)
             verdict = Verdict(op="engine", candidate_id=cand.id, stages=["serve"], log_tail=_tail(out / "worker.log"))
@@ -108,14 +117,15 @@ class SSHServe:
             return Served(verdict)
         served = Served(Verdict.from_dict(result["verdict"]), runs_from_dict(result["runs"], out), result["metrics"])
         served.verdict.candidate_id = cand.id
-        _own_accuracy(served.verdict, served.metrics, judged[0] if judged else None)
+        _own_accuracy(served, judged, job)
         return served
 
     # -- one session ------------------------------------------------------------------
     def _limit(self, job: ServeJob) -> float:
         return self.limit_s if self.limit_s is not None else session_limit_s(job)
 
-    def _session(self, kind: str, job: ServeJob, out: Path, payload: dict, decide: Decide | None = None,
+    def _session(self, kind: str, job: ServeJob, out: Path, payload: dict,
+                 handshakes: tuple[Decide, list[str | None]] | None = None,
                  secret: str | None = None) -> tuple[dict, dict | None]:
         """(result.json, or {"timed_out": s} or {"died": why}; the secret file's JSON) of one session."""
         host, q = self.slot.host, shlex.quote
@@ -142,7 +152,7 @@ class SSHServe:
                      f"{host.python} -m harness.serve run job.json . >out/worker.log 2>&1; rc=$?; {killer}; exit $rc")
             try:
                 ended = self._wait(client, f"cd {q(run_dir)} && exec setsid -w sh -c {q(inner)}", run_dir,
-                                   limit, decide)
+                                   limit, handshakes)
             except BaseException:  # the connection dropped, the flow was cancelled, Ctrl-C
                 self._salvage(client, run_dir, out, killer)
                 raise
@@ -172,9 +182,11 @@ class SSHServe:
                 fresh.close()
 
     def _wait(self, client: paramiko.SSHClient, command: str, run_dir: str, limit_s: float,
-              decide: Decide | None) -> bool:
+              handshakes: tuple[Decide, list[str | None]] | None) -> bool:
         """True when the session ended on its own, False when it ran past limit_s; a HostFault
-        when the connection went. Meanwhile answers the accuracy handshake, if any."""
+        when the connection went. Meanwhile answers the accuracy handshakes, if any, in their order."""
+        decide, rounds = handshakes if handshakes is not None else (None, [])
+        rounds = list(rounds)  # the handshakes still to answer, in the order the host asks them
         host = self.slot.host
         transport = client.get_transport()
         deadline = time.monotonic() + limit_s
@@ -190,8 +202,8 @@ class SSHServe:
                     break
                 if time.monotonic() > deadline:
                     return False
-                if decide is not None and _answer(sftp, run_dir, decide):
-                    decide = None
+                if rounds and _answer(sftp, run_dir, rounds[0], decide):
+                    rounds.pop(0)
                 chan.status_event.wait(POLL_S)
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise HostUnreachable(host, f"connection lost during the serve session: {e}") from None
@@ -202,16 +214,17 @@ class SSHServe:
         return True
 
 
-def _answer(sftp: paramiko.SFTPClient, run_dir: str, decide: Decide) -> bool:
-    """Judges the candidate's completions (every replica's) once they are there; whether it did."""
+def _answer(sftp: paramiko.SFTPClient, run_dir: str, pattern: str | None, decide: Decide) -> bool:
+    """Judges the candidate's completions of one handshake once they are there; whether it did."""
+    completions, decision = exchange_names(pattern)
     try:
-        with sftp.open(f"{run_dir}/exchange/completions.json") as f:
+        with sftp.open(f"{run_dir}/exchange/{completions}") as f:
             raw = f.read()
     except FileNotFoundError:
         return False
-    body = json.dumps({"load": decide(raw)}).encode()
+    body = json.dumps({"load": decide(pattern, raw)}).encode()
     sftp.putfo(io.BytesIO(body), f"{run_dir}/exchange/.decision.tmp")
-    sftp.posix_rename(f"{run_dir}/exchange/.decision.tmp", f"{run_dir}/exchange/decision.json")
+    sftp.posix_rename(f"{run_dir}/exchange/.decision.tmp", f"{run_dir}/exchange/{decision}")
     return True
 
 
@@ -271,21 +284,41 @@ def _raise_error(result: dict, host: Host, label: str, kind: str, verdict_instea
         raise ServerError(f"the {kind} session on {label} {_how(result)}")
 
 
-def _own_accuracy(verdict: Verdict, metrics: dict, judged: tuple[bool, str, dict] | None) -> None:
-    """The accuracy gate as the controller judged it: the host only learnt whether to load, and
-    anything on the host could have written that answer, so the host's gate is not taken on trust."""
-    gate = next((g for g in verdict.gates if g.name == "accuracy"), None)
-    if gate is None:
+def _own_accuracy(served: Served, judged: dict[str | None, tuple[bool, str, dict]], job: ServeJob) -> None:
+    """The accuracy gates (before load, and under each pattern's) as the controller judged them:
+    the host only learnt whether to go on, and anything on the host could have written that answer,
+    so the host's gates are not taken on trust. A pattern loaded without its gate fails."""
+    verdict, metrics = served.verdict, served.metrics
+    gates = [g for g in verdict.gates if g.name == "accuracy"]
+    if not gates:
         if verdict.status == PASS:
             verdict.crash("protocol", "the session passed without the candidate's completions being judged")
         return
-    if judged is None:
-        if gate.passed:
-            gate.passed, gate.detail = False, "the candidate's completions never reached the controller"
-    elif not judged[0] or gate.passed:  # else the host gave up waiting for the decision: its gate says so
-        gate.passed, gate.detail = judged[0], judged[1]
-        metrics.update(judged[2])
-    if not gate.passed and verdict.status == PASS:
+    rounds = [(None, gates[0])]
+    for p in job.patterns if job.accuracy.under_load else ():
+        gate = next((g for g in gates[1:] if g.detail.startswith(under_load.prefix(p.name))), None)
+        if gate is None and p.name in served.runs:
+            gate = Gate("accuracy", True, "")  # judged below as what the controller never saw
+            verdict.gates.append(gate)
+            gates.append(gate)
+        if gate is not None:
+            rounds.append((p.name, gate))
+    for pattern, gate in rounds:
+        got = judged.get(pattern)
+        if got is None:
+            if gate.passed:
+                never = "the candidate's completions never reached the controller"
+                gate.passed, gate.detail = False, never if pattern is None else under_load.detail(pattern, never,
+                                                                                                  metrics)
+        elif not got[0] or gate.passed:  # else the host gave up waiting for the decision: its gate says so
+            gate.passed = got[0]
+            if pattern is None:
+                gate.detail = got[1]
+                metrics.update(got[2])
+            else:
+                metrics.update(under_load.renamed(pattern, got[2]))
+                gate.detail = under_load.detail(pattern, got[1], metrics)
+    if any(not g.passed for g in gates) and verdict.status == PASS:
         verdict.status = FAIL
 
 

@@ -162,6 +162,8 @@ class Accuracy(BaseModel):
     logprob_atol: PositiveFloat | None = Field(None, description="nats; default per dtype")
     tie_nats: PositiveFloat | None = Field(None, description="a different greedy token passes only where the "
                                                                "reference's two candidates are this close; default logprob_atol")
+    under_load: NonNegativeInt = Field(3, description="of these prompts (a held-out one among them), sent again "
+                                       "during each traffic pattern's load and judged alike; 0: none")
 
 
 class Serving(BaseModel):
@@ -276,14 +278,18 @@ class Target(BaseModel):
         """What makes two end-to-end runs comparable: model, dtype, traffic, baseline, margin."""
         import hashlib
 
-        # replicas and the reference's directory only when set: the keys of runs from before those
-        # fields existed stay the same
-        unset = {"replicas"} if self.serving.replicas == 1 else set()
-        unset |= {"reference_model_dir"} if self.serving.reference_model_dir is None else set()
-        body = self.serving.model_dump_json(exclude={"start_timeout_s"} | unset)
+        # replicas, the reference's directory and the prompts sent under load only when set: the
+        # keys of runs from before those fields existed stay the same. Prompts under load are part
+        # of the load both sides serve, so they count when sent.
+        unset: dict = {"start_timeout_s": True}
+        unset |= {"replicas": True} if self.serving.replicas == 1 else {}
+        unset |= {"reference_model_dir": True} if self.serving.reference_model_dir is None else {}
+        unset |= {"accuracy": {"under_load": True}} if self.serving.accuracy.under_load == 0 else {}
+        body = self.serving.model_dump_json(exclude=unset)
         return f"{self.model}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
 
     def accuracy_rules(self) -> AccuracyRules:
         a = self.serving.accuracy
         atol = a.logprob_atol or DEFAULT_LOGPROB_ATOL[self.dtype]
-        return AccuracyRules(tuple(a.prompts), a.held_out, a.held_out_tokens, a.max_tokens, atol, a.tie_nats or atol)
+        return AccuracyRules(tuple(a.prompts), a.held_out, a.held_out_tokens, a.max_tokens, atol, a.tie_nats or atol,
+                             a.under_load)

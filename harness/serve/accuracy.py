@@ -45,16 +45,19 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int, top: int,
     return Completion([_token_id(t) for t in lp["tokens"]], [float(x) for x in lp["token_logprobs"]], alternatives)
 
 
-def judge(candidate: list[Completion], reference: list[Completion], rules: AccuracyRules) -> tuple[bool, str, dict]:
+def judge(candidate: list[Completion], reference: list[Completion], rules: AccuracyRules,
+          numbers: list[int] | None = None) -> tuple[bool, str, dict]:
     """Token by token until the first different greedy token: log-probabilities within
     logprob_atol; a different token is allowed only at a near-tie of the reference (its own
     token less than tie_nats more likely than the candidate's), after which the contexts
-    differ and that prompt's comparison ends. Returns (passed, detail, metrics)."""
+    differ and that prompt's comparison ends. `numbers` are the prompts' places in the whole
+    set (default: all of it, in order), which the details name. Returns (passed, detail, metrics)."""
     worst, ties, compared = 0.0, 0, 0
+    numbers = list(range(len(reference))) if numbers is None else numbers
     if len(candidate) != len(reference):  # zip() below would judge only the shorter list
         return False, f"{len(candidate)} answers to {len(reference)} prompts", {}
-    for k, (c, r) in enumerate(zip(candidate, reference)):
-        where = f"prompt {k} ({'held out' if k >= len(rules.prompts) else 'shown'})"
+    for n, c, r in zip(numbers, candidate, reference):
+        where = f"prompt {n} ({'held out' if n >= len(rules.prompts) else 'shown'})"
         if len(c.token_ids) != len(r.token_ids) or len(c.logprobs) != len(c.token_ids):
             return False, f"{where}: {len(c.token_ids)} tokens with {len(c.logprobs)} logprobs, expected " \
                           f"{len(r.token_ids)} (ignore_eos)", {}
@@ -72,7 +75,8 @@ def judge(candidate: list[Completion], reference: list[Completion], rules: Accur
             if diff > rules.logprob_atol:
                 return False, (f"{where}, token {i}: logprob {c.logprobs[i]:.5g} vs the reference's "
                                f"{r.logprobs[i]:.5g} ({diff:.3g} nats > {rules.logprob_atol:g})"), {}
-    detail = (f"{len(reference)} prompts ({rules.held_out} held out), {compared} tokens agree, max |Δlogprob| "
+    held = sum(n >= len(rules.prompts) for n in numbers)
+    detail = (f"{len(reference)} prompts ({held} held out), {compared} tokens agree, max |Δlogprob| "
               f"{worst:.3g} nats; {ties} prompts diverged at a near-tie")
     return True, detail, {"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
                           "accuracy/near_ties": ties}

@@ -10,14 +10,17 @@ fetches `out/` and `result.json` back.
     python -m harness.serve kill MARKER           every process of a session, whatever its group
 
 RUN_DIR: `out/` (the artifacts, fetched and logged: server.log, or server-<i>.log and balancer.log
-with several replicas; kernels; AIPerf exports), `exchange/` (the accuracy handshake, every
-replica's completions at once), `result.json`, and for the reference `answers.json`, which
+with several replicas; kernels; AIPerf exports), `exchange/` (the accuracy handshake: every
+replica's completions at once before load, `completions.json`, then those sent under each
+pattern's load, `under-load-<pattern>.json`; each answered by the controller in a decision file),
+`result.json`, and for the reference `answers.json`, which
 the controller reads into memory and never stores. The whole folder is removed after the session.
 
 Trust: a candidate server runs here as the same user, so nothing it could read may tell it the
 expected answers. The reference's answers leave with the controller before any candidate starts;
 a candidate session gets the prompts only (the held-out ones are unavoidably sent) and hands its
-completions to the controller, which judges them and answers only whether to go on to the load.
+completions to the controller, which judges them and answers only whether to go on (to the load,
+to the next pattern).
 """
 from __future__ import annotations
 
@@ -98,19 +101,30 @@ def problems(model_dir: Path, baseline: str | None = None) -> list[str]:
 
 
 # -- sessions -------------------------------------------------------------------------
+def exchange_names(pattern: str | None) -> tuple[str, str]:
+    """The files of one accuracy handshake: the completions, the controller's decision. Before load
+    (pattern None) or under a pattern's load: pattern names are [a-z0-9-] (targets.TrafficPattern)."""
+    if pattern is None:
+        return "completions.json", "decision.json"
+    return f"under-load-{pattern}.json", f"under-load-{pattern}.decision.json"
+
+
 class ControllerJudged(Reference):
-    """The reference as a candidate's host sees it: prompts, no answers. Every replica's completions
-    go to the controller, which alone holds the reference's answers and judges each replica; its
-    reply says only whether to load."""
+    """The reference as a candidate's host sees it: prompts, no answers. The completions (every
+    replica's before load, the balancer's under each pattern's) go to the controller, which alone
+    holds the reference's answers and judges them, and which knows for itself which prompts they
+    answer (harness/serve/under_load.sample); its reply says only whether to go on."""
 
     def __init__(self, prompts: list[list[int]], exchange: Path):
         super().__init__(prompts, [])
         self.exchange = exchange
         exchange.mkdir(parents=True, exist_ok=True)
 
-    def judge(self, replicas: list[list[Completion]], rules: AccuracyRules) -> tuple[bool, str, dict]:
-        write_atomic(self.exchange / "completions.json", [[completion_to_dict(c) for c in got] for got in replicas])
-        decision, deadline = self.exchange / "decision.json", time.monotonic() + DECISION_WAIT_S
+    def judge(self, pattern: str | None, numbers: list[int],
+              answers: list[list[Completion]]) -> tuple[bool, str, dict]:
+        completions, decided = exchange_names(pattern)
+        write_atomic(self.exchange / completions, [[completion_to_dict(c) for c in got] for got in answers])
+        decision, deadline = self.exchange / decided, time.monotonic() + DECISION_WAIT_S
         while not decision.is_file():
             if time.monotonic() > deadline:
                 return False, f"the controller sent no accuracy decision within {DECISION_WAIT_S:g} s", {}

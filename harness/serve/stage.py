@@ -3,7 +3,8 @@ transformers reference server), then the candidate server — accuracy before an
 AIPerf on every pattern — and the baseline under the same load only for a candidate worth
 comparing. Each server runs alone on its slots, so no two share a GPU; a target asking for
 several replicas gets that many copies of the candidate (and of the baseline), each on its own
-GPU, behind one load balancer, and every replica answers the accuracy prompts."""
+GPU, behind one load balancer, and every replica answers the accuracy prompts; a few of them go
+again to the URL AIPerf loads while it loads it (harness/serve/under_load.py), on every pattern."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -19,26 +20,30 @@ from typing import Callable
 
 from contract.serve import Completion, EngineCandidate, Reference, Served, ServeJob, ServerError
 from contract.verdict import PASS, Verdict
-from harness.serve import aiperf
+from harness.serve import aiperf, under_load
 from harness.serve.accuracy import REFERENCE_TOP, complete, judge, prompt_set
 from harness.serve.baselines import ENGINES
 from harness.serve.server import Replicas, ServerProcess
 
-Judge = Callable[[list[list[Completion]], object], tuple[bool, str, dict]]  # (every replica's answers, rules)
+# (the pattern whose load they came under, None before any load; the numbers of the prompts they
+# answer; every answerer's completions: each replica's before load, the one URL's under load)
+Judge = Callable[[str | None, list[int], list[list[Completion]]], tuple[bool, str, dict]]
 SERVED_NAME = "infersmith-e2e"  # the model id every server is started with and AIPerf sends
-READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
+READ_ERRORS = under_load.READ_ERRORS
 
 
-def judge_replicas(replicas: list[list[Completion]], expected: list[Completion], rules) -> tuple[bool, str, dict]:
-    """judge() on each replica's completions: the first wrong one fails the gate, named when there
-    are several; the metrics are the worst replica's difference and the sums of the rest."""
+def judge_replicas(replicas: list[list[Completion]], expected: list[Completion], rules,
+                   numbers: list[int] | None = None) -> tuple[bool, str, dict]:
+    """judge() on each replica's completions (of the prompts `numbers`, default all): the first
+    wrong one fails the gate, named when there are several; the metrics are the worst replica's
+    difference and the sums of the rest."""
     if not replicas:
         return False, "no replica's answers", {}
     several = len(replicas) > 1
     details, worst, compared, ties = [], 0.0, 0, 0
     for k, got in enumerate(replicas):
         which = f"replica {k}: " if several else ""
-        passed, detail, metrics = judge(got, expected, rules)
+        passed, detail, metrics = judge(got, expected, rules, numbers)
         if not passed:
             return False, which + detail, {}
         details.append(which + detail)
@@ -47,6 +52,13 @@ def judge_replicas(replicas: list[list[Completion]], expected: list[Completion],
         ties += metrics["accuracy/near_ties"]
     return True, "; ".join(details), {"accuracy/max_logprob_diff": worst, "accuracy/tokens_compared": compared,
                                       "accuracy/near_ties": ties}
+
+
+def reference_judge(reference: Reference, rules) -> Judge:
+    """The judge where the reference's answers are at hand."""
+    def judged(pattern: str | None, numbers: list[int], answers: list[list[Completion]]) -> tuple[bool, str, dict]:
+        return judge_replicas(answers, [reference.completions[n] for n in numbers], rules, numbers)
+    return judged
 
 
 def host_versions(job: ServeJob) -> dict:
@@ -125,7 +137,7 @@ def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Ref
         one = ref.servers[0].url  # the replicas are one model: one answers
         reference = Reference(prompts, [complete(one, SERVED_NAME, p, job.accuracy.max_tokens, REFERENCE_TOP)
                                         for p in prompts])
-        return reference, (_load_baseline(job, ref, out) if job.baseline == "reference" else None)
+        return reference, (_load_baseline(job, ref, out, prompts) if job.baseline == "reference" else None)
 
 
 def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
@@ -133,31 +145,46 @@ def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
     with Replicas("baseline", lambda i, port: baseline_argv(job, port, i), job.replica_envs, out,
                   job.python) as server:
         server.start(job.start_timeout_s)
-        return _load_baseline(job, server, out)
+        # prompts of the same lengths as the candidate's (the held-out ones drawn afresh): the
+        # same extra work under load, never judged
+        return _load_baseline(job, server, out, prompt_set(job.model_dir, job.accuracy, random.Random(0)))
 
 
-def _load_baseline(job: ServeJob, server: Replicas, out: Path) -> dict[str, aiperf.PatternRun]:
-    """A baseline that fails under load is an error of the run, not a verdict on a candidate."""
+def _load_baseline(job: ServeJob, server: Replicas, out: Path, prompts: list[list[int]]) -> dict[str, aiperf.PatternRun]:
+    """Every pattern, with the accuracy prompts a candidate gets under it too (the same load on
+    both sides). A baseline that fails under load is an error of the run, not a verdict on a candidate."""
     runs = {}
     for p in job.patterns:
-        runs[p.name] = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
-                                  job.pattern_timeout_s)
-        if not server.alive or runs[p.name].errors:
-            raise ServerError(f"the baseline failed on pattern {p.name} ({runs[p.name].errors} failed requests"
-                              f"{'; ' + server.death('meanwhile') if not server.alive else ''}); "
+        runs[p.name], probes = under_load.load(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
+                                               job.pattern_timeout_s, prompts, prompt_numbers(job, len(prompts), p.name),
+                                               job.accuracy.max_tokens)
+        why = [f"{runs[p.name].errors} failed requests"] if runs[p.name].errors else []
+        why += [f"the accuracy prompts under load: {probes.error}"] if probes and probes.error else []
+        why += [server.death("meanwhile")] if not server.alive else []
+        if why:
+            raise ServerError(f"the baseline failed on pattern {p.name} ({'; '.join(why)}); "
                               f"log: {server.log_tail(300)}")
     return runs
+
+
+def prompt_numbers(job: ServeJob, prompts: int, pattern: str | None) -> list[int]:
+    """The numbers of the prompts answered before load (pattern None: all of them), or under a
+    pattern's load: what each judgement compares, on this side or on the controller."""
+    if pattern is None:
+        return list(range(prompts))
+    return under_load.sample(prompts, job.accuracy.held_out, job.accuracy.under_load, pattern)
 
 
 def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, int], list[str]],
                     reference: Reference, out: Path, judge_with: Judge | None = None) -> Served:
     """Start the candidate's replicas (argv_for(replica, port)), judge each one's accuracy (against
     reference's answers, or by judge_with where this side holds none), then load them (through
-    the balancer when several) with every pattern."""
+    the balancer when several) with every pattern, judging the accuracy prompts sent meanwhile."""
     verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"],
                       device=host_versions(job))
     result = Served(verdict)
     t0 = time.monotonic()
+    judge_with = judge_with or reference_judge(reference, job.accuracy)
     with Replicas("candidate", argv_for, job.replica_envs, out, job.python) as server:
         try:
             server.start(job.start_timeout_s)
@@ -168,8 +195,10 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
         for p in job.patterns if verdict.status == PASS else ():
             before = engine_stats(server)
             try:
-                run = aiperf.run(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
-                                 job.pattern_timeout_s)
+                run, probes = under_load.load(p, server.url, SERVED_NAME, job.model_dir, out / "aiperf" / p.name,
+                                              job.pattern_timeout_s, reference.prompts,
+                                              prompt_numbers(job, len(reference.prompts), p.name),
+                                              job.accuracy.max_tokens)
             except aiperf.AIPerfError as e:
                 run, failure = None, str(e)
             after = engine_stats(server) if run is not None and before is not None else None
@@ -183,6 +212,8 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
             elif run.errors:
                 verdict.gate("load", False, f"{run.errors} of {run.metrics['requests']:.0f} requests failed "
                                             f"on pattern {p.name}")
+            elif probes is not None:
+                _accuracy_under_load(p.name, probes, judge_with, result)
             if verdict.status != PASS:
                 break
             result.runs[p.name] = run
@@ -229,8 +260,7 @@ def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
                            judge_with)
 
 
-def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served,
-              judge_with: Judge | None) -> None:
+def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served, judge_with: Judge) -> None:
     """Every replica answers every prompt, straight (not through the balancer, which would spread
     them), all at once; the reference judges them all: a replica that is wrong fails the gate
     like a lone server."""
@@ -252,10 +282,19 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
                 result.verdict.gate("accuracy", False, f"{f'replica {k}: ' if several else ''}no usable greedy "
                                                        f"completion with logprobs: {type(e).__name__}: {e}")
             return
-    if judge_with is None:
-        passed, detail, metrics = judge_replicas(got, reference.completions, job.accuracy)
-    else:
-        passed, detail, metrics = judge_with(got, job.accuracy)
+    passed, detail, metrics = judge_with(None, prompt_numbers(job, len(reference.prompts), None), got)
     result.metrics.update(metrics)
     result.verdict.gate("accuracy", passed, detail)
+
+
+def _accuracy_under_load(pattern: str, probes: under_load.Probes, judge_with: Judge, result: Served) -> None:
+    """The prompts sent during the pattern's load, judged like those before it: a wrong one fails
+    the accuracy gate, naming the pattern; `<pattern>/under_load_*` beside `accuracy/*`."""
+    result.metrics |= probes.metrics(pattern)
+    if probes.completions is None:
+        passed, judged, metrics = False, probes.error, {}
+    else:
+        passed, judged, metrics = judge_with(pattern, probes.numbers, [probes.completions])
+    result.metrics |= under_load.renamed(pattern, metrics)
+    result.verdict.gate("accuracy", passed, under_load.detail(pattern, judged, result.metrics))
 
