@@ -87,8 +87,11 @@ def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(
     host, pool_file = pool_host
     code, out = bench(serving_file, "--json", "--pool", str(pool_file))
     result = json.loads(out)
-    gates = {g["name"]: g for g in result["gates"]}
+    gates = {g["name"]: g for g in result["gates"]}  # the first accuracy gate: before load
     assert gates["accuracy"]["passed"], gates["accuracy"]["detail"]
+    # under load too: 3 of the accuracy prompts through the balancer meanwhile, judged by the controller
+    before, under = [g for g in result["gates"] if g["name"] == "accuracy"]
+    assert under["passed"] and under["detail"].startswith("under load on pattern chat-short: 3 prompts ("), under
     assert "all_metrics" in gates and result["verdict"] in ("pass", "fail")  # CPU timings: either way
     assert code == (0 if result["verdict"] == "pass" else 1)
     rows = {r["metric"]: r for r in result["table"]}
@@ -103,6 +106,8 @@ def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(
     assert m["chat-short/ttft_p50_ms"] == rows["ttft_p50_ms"]["candidate"] > 0
     assert m["chat-short/baseline_output_tps"] == rows["output_tps"]["baseline"] and "score" in m
     assert m["accuracy/max_logprob_diff"] < 1e-3 and m["accuracy/tokens_compared"] > 0
+    assert m["chat-short/under_load_prompts"] == 3 and m["chat-short/under_load_max_logprob_diff"] < 1e-3
+    assert m["chat-short/under_load_tokens_compared"] > 0 and "chat-short/under_load_overlapped" in m
     assert run.data.tags["infersmith.status"] == result["verdict"]
     exported = client.download_artifacts(run.info.run_id, "serve/aiperf/chat-short/profile_export_aiperf.json")
     assert json.loads(Path(exported).read_text())["request_count"]["avg"] == 6
@@ -114,14 +119,15 @@ def test_engine_vs_reference_on_a_pool_host_under_aiperf_with_metrics_in_mlflow(
     assert "Traceback" not in worker_log
     baseline = Path(client.download_artifacts(result["parent_run_id"], "baseline"))
     assert (baseline / "aiperf" / "chat-short" / "profile_export_aiperf.json").is_file()
-    # Both sides two replicas behind a balancer on the host that spread AIPerf's 7 requests over
-    # both; the controller judged each replica (the host's own gate only says it asked).
+    # Both sides two replicas behind a balancer on the host that spread AIPerf's 7 requests and the
+    # 3 accuracy prompts sent meanwhile (to the baseline too: the same load) over both; the
+    # controller judged each replica (the host's own gate only says it asked).
     assert "replica 0: " in gates["accuracy"]["detail"] and "replica 1: " in gates["accuracy"]["detail"]
     for run_id, folder in ((run.info.run_id, "serve"), (result["parent_run_id"], "baseline")):
         logs = Path(client.download_artifacts(run_id, folder))
         assert "serving infersmith-e2e" in (logs / "server-1.log").read_text()
         served = served_per_backend((logs / "balancer.log").read_text())
-        assert len(served) == 2 and min(served) > 0 and sum(served) == 7, (folder, served)
+        assert len(served) == 2 and min(served) > 0 and sum(served) == 7 + 3, (folder, served)
     # The reference's answers and the held-out prompts stayed in memory, and the host keeps no session.
     assert not list(baseline.rglob("answers.json")) and not list(baseline.rglob("job.json"))
     assert list((Path(host.workdir) / "runs").iterdir()) == []
@@ -141,6 +147,25 @@ def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(pr
     assert code == 1
     assert "accuracy: FAILED  replica 1: prompt 0 (shown), token 0: greedy token 17" in out
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
+
+
+@pytest.mark.parametrize("where", ["this machine", "pool host"])
+def test_an_engine_wrong_only_in_company_passes_before_load_and_fails_under_it(prefect_server, tracking_home,
+                                                                              tmp_path, request, where):
+    # The real engine behind a relay that corrupts a whole completion which shared the server with
+    # another request: the accuracy prompts, one at a time before load, are right; those sent while
+    # AIPerf loads it are not. On the pool host the controller judges both rounds.
+    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps(SERVING))
+    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}}"
+    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'", *pool)
+    assert code == 1, out
+    before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
+    assert before.startswith("accuracy: ok  6 prompts (2 held out), ") and "0 prompts diverged" in before, out
+    assert re.match(r"accuracy: FAILED  under load on pattern chat-short: prompt \d \((shown|held out)\), token 0: "
+                    r"greedy token \d+, the reference's is \d+ .*; 3 of 3 overlapped AIPerf's measured requests", under), out
+    assert "verdict: fail  [accuracy] under load on pattern chat-short: prompt" in out and "all_metrics" not in out
 
 
 def test_completions_planted_on_the_host_before_the_worker_writes_fail_the_gate(prefect_server, tracking_home,
@@ -208,6 +233,62 @@ def test_fewer_answers_than_prompts_or_no_replica_fail_the_gate():
     assert judge_replicas([good * 2, []], REF, RULES)[:2] == (False, "replica 1: 0 answers to 2 prompts")
     assert judge_replicas([], REF, RULES)[:2] == (False, "no replica's answers")
     assert judge_replicas([good * 2], REF, RULES)[0] is True
+
+
+def test_the_prompts_sent_under_load_are_the_same_wherever_drawn_and_hold_a_held_out_one():
+    from harness.serve.under_load import sample
+
+    for pattern in ("chat-short", "long-prompt", "concurrency-32", "structured"):
+        got = sample(8, 4, 3, pattern)  # 4 shown, then 4 held out
+        assert got == sample(8, 4, 3, pattern) and len(set(got)) == 3 and any(n >= 4 for n in got)
+        assert sample(8, 4, 1, pattern)[0] >= 4
+    assert sample(8, 4, 0, "p") == [] and sample(2, 0, 3, "p") == [0, 1]
+
+
+def test_overlap_counts_aiperfs_measured_requests_only(tmp_path):
+    from harness.serve.under_load import overlap
+
+    records = tmp_path / "profile_export.jsonl"
+    rows = [("warmup", 0, 100), ("profiling", 100, 200), ("profiling", 150, 300)]
+    records.write_text("".join(json.dumps({"metadata": {"benchmark_phase": phase, "request_start_ns": start,
+                                                        "request_end_ns": end}}) + "\n" for phase, start, end in rows))
+    assert overlap([(50, 90)], records) == (0, 0)  # beside the warm-up only
+    assert overlap([(120, 160), (250, 260), (400, 500)], records) == (2, 2)
+    assert overlap([(1, 2)], tmp_path / "missing.jsonl") == (0, 0)
+
+
+@pytest.mark.parametrize("host_gates, judged, says", [
+    # loaded, and the host said nothing of the prompts sent meanwhile
+    ([], {}, "under load on pattern chat-short: the candidate's completions never reached the controller"),
+    # the host's word that they passed, against the controller's judgement
+    (["under load on pattern chat-short: judged on the controller; 3 of 3 overlapped"],
+     {"chat-short": (False, "prompt 5 (held out), token 0: greedy token 9", {})},
+     "under load on pattern chat-short: prompt 5 (held out), token 0: greedy token 9; 0 of 0 overlapped"),
+])
+def test_the_controller_judges_the_prompts_under_load_not_the_host(tmp_path, host_gates, judged, says):
+    from gpu_pool.pool import Host, Pool
+    from gpu_pool.ssh_serve import _own_accuracy
+    from targets import Target
+    from tasks.serve import job_for
+
+    slots = Pool(hosts=[Host(name="h", address="10.0.0.5", gpus=[0], gpu_class="h200")]).slots()
+    job = job_for(Target.model_validate({"model": "tiny", "serving": SERVING}), Path("/data/tiny"), slots)
+    verdict = Verdict(op="engine", candidate_id="x")
+    for detail in ["judged on the controller", *host_gates]:
+        verdict.gate("accuracy", True, detail)
+    served = Served(verdict, {"chat-short": PatternRun("chat-short", {}, 0, tmp_path)})
+    _own_accuracy(served, {None: (True, "6 prompts (2 held out)", {})} | judged, job)
+    assert verdict.status == "fail" and verdict.failing_gate.detail.startswith(says)
+    assert verdict.gates[0].passed and verdict.gates[0].detail == "6 prompts (2 held out)"
+
+
+def test_under_load_is_on_by_default_and_part_of_the_serving_key():
+    from targets import Target
+
+    on = Target(model="tiny")
+    off = Target.model_validate({"model": "tiny", "serving": {"accuracy": {"under_load": 0}}})
+    assert on.accuracy_rules().under_load == 3 and off.accuracy_rules().under_load == 0
+    assert on.serve_key() != off.serve_key()  # the prompts under load are part of the load both sides serve
 
 
 def test_every_metric_must_beat_the_baseline_by_the_margin(tmp_path):
