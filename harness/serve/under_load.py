@@ -21,8 +21,10 @@ from harness.serve import aiperf
 from harness.serve.accuracy import complete
 
 LOAD_STARTED = b"(profiling) started"  # AIPerf 0.13's log line as its measured phase begins
-SETTLE_S = 0.5  # after that line, so that the measured requests are in flight when these arrive
-POLL_S = 0.1
+# After that line (it comes within milliseconds of the first measured request), so that the
+# measured requests are in flight, past their first step, when these arrive.
+SETTLE_S = 0.1
+POLL_S = 0.02
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
 
 
@@ -79,6 +81,8 @@ def _send(loading: Future, url: str, model: str, log: Path, prompts: list[list[i
     and overlapped says they came late), every prompt at once."""
     while not loading.done() and not _started(log):
         time.sleep(POLL_S)
+    if loading.done() and loading.exception() is not None:  # no load to send them under: its error says why
+        return Probes(numbers, error="AIPerf did not run")
     if not loading.done():
         time.sleep(SETTLE_S)
 
