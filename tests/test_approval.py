@@ -55,16 +55,21 @@ def test_the_flow_pauses_for_a_person_and_logs_the_decision(prefect_server, tmp_
     flow.start()
     seen: set[str] = set()
     slots = local_pool().slots()
-    with get_client(sync_client=True) as client:
+    order: list[str] = []  # the candidates in the order they asked (the flow proposes ahead: not always
+    with get_client(sync_client=True) as client:  # the order their runs started)
         for answer in ({"decision": "approve", "reviewer": "ada", "note": "fp32 rounding only"},
                        {"decision": "reject", "reviewer": "bob", "note": "not this one"}):
             run = next_pause(client, seen, within_s=300)
             assert free_slots(slots) == slots, "a GPU lease is held while the flow waits for a person"
             key = f"paused-{run.state.state_details.pause_key}"
-            assert "needs your approval" in client.read_flow_run_input(run.id, f"{key}-description")
+            description = client.read_flow_run_input(run.id, f"{key}-description")
+            assert "needs your approval" in description
             assert "reviewer" in client.read_flow_run_input(run.id, f"{key}-schema")
+            order.append(run.state.state_details.pause_key.removeprefix("approve-"))
+            assert f"candidate id `{order[-1]}`" in description
             client.resume_flow_run(run.id, run_input=answer)
         run = next_pause(client, seen, within_s=300)  # the third: no one answers
+        order.append(run.state.state_details.pause_key.removeprefix("approve-"))
         assert free_slots(slots) == slots
     flow.join(timeout=300)
     assert done and done[0]["candidates"] == 3, "the flow did not finish"
@@ -74,7 +79,7 @@ def test_the_flow_pauses_for_a_person_and_logs_the_decision(prefect_server, tmp_
     tracker = Tracker(TrackingConfig.from_env())
     children = sorted((r for r in search(tracker, "silu_mul")
                        if r.data.tags.get("mlflow.parentRunId") == done[0]["parent_run_id"]),
-                      key=lambda r: r.info.start_time)
+                      key=lambda r: order.index(r.data.tags[f"{T}candidate_id"]))
     got = [{k: r.data.tags.get(f"{T}{k}") for k in ("approval", "approval_by", "status", "failing_gate", "flags")}
            for r in children]
     assert got == [
