@@ -35,10 +35,11 @@ DType = Literal["bf16", "fp16", "fp32", "fp8"]
 # Relative error ||out - ref|| / ||ref|| allowed per output dtype: a few ulps of the
 # format after a reduction, well under what a wrong kernel produces (~1). fp8 is an fp8 op
 # target against the bf16 weights' float64 result: e4m3 keeps 3 mantissa bits, and the honest
-# dequantize-then-matmul lands 0.023-0.030 from it (linear, every input distribution, tiny to
-# qwen3-8b shapes), 0.034-0.041 when the activations are rounded to e4m3 too (an FP8 tensor-core
-# product); a scale off by 2x, or used as a divisor, lands at 1 or more (docs/ops-fp8.md).
-DEFAULT_RTOL = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4, "fp8": 0.08}
+# dequantize-then-multiply lands up to 0.030 from it for linear (every input distribution, tiny to
+# qwen3-8b shapes; 0.041 with the activations rounded to e4m3 too) and up to 0.076 for fused_moe
+# (three products and a gate: tiny-moe, 12 seeds); a scale off by 2x, or used as a divisor, lands
+# near 1 or far above (docs/targets.md#fp8-op-targets).
+DEFAULT_RTOL = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4, "fp8": 0.15}
 
 
 class Workload(BaseModel):
