@@ -67,6 +67,11 @@ class Linear(Op):
         t, k, m = shape.dims["tokens"], shape.dims["in"], shape.dims["out"]
         x = random_tensor((t, k), dtype, device, gen, dist)
         weight = random_tensor((m, k), dtype, device, gen, dist, scale=k ** -0.5)
+        # Each 128 x 128 block at its own magnitude (a power of two, 1/4 to 4: exact in any dtype),
+        # as trained weights' are: the fp8 target's scales then differ from block to block, and a
+        # kernel that applies one block's scale to another is off by up to 16x there.
+        gain = 2.0 ** torch.randint(-2, 3, (-(-m // 128), -(-k // 128)), generator=gen, device=gen.device)
+        weight *= gain.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :k].to(weight.device, dtype)
         return x, weight
 
     def reference(self, x, weight):
