@@ -17,6 +17,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from conftest import CANDIDATES  # noqa: E402
 
+# Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
+# not the capsys stream of whichever test would import it first (closed after that test).
+from prefect import flow  # noqa: E402, F401
+
 from contract.job import Shape  # noqa: E402
 from engine_templates.models import PRESETS  # noqa: E402
 from engine_templates.ops import FP8_OPS, get_op  # noqa: E402
