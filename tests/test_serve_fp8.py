@@ -96,12 +96,12 @@ def test_a_quantized_reference_is_refused(job, fp8_dir, tmp_path):
         reference_answers(dataclasses.replace(job, reference_model_dir=fp8_dir), tmp_path, random.Random(0))
 
 
-def test_fp8_is_an_end_to_end_dtype_with_looser_thresholds():
+def test_fp8_targets_have_looser_thresholds():
     fp8, bf16 = Target(model="tiny", dtype="fp8"), Target(model="tiny", dtype="bf16")
     assert fp8.activation_dtype == "bf16" and fp8.serve_key() != bf16.serve_key()
     assert fp8.accuracy_rules().logprob_atol == 0.5 > bf16.accuracy_rules().logprob_atol == 0.1
-    with pytest.raises(ValueError, match="no op has an fp8 target"):
-        fp8.rules(on_gpu=False)
+    # the op stages of an fp8 target (linear, fused_moe) judge at its own tolerance
+    assert fp8.rules(on_gpu=False).dtype == "fp8" and fp8.rules(on_gpu=False).rtol == 0.15
     assert target("bf16").serve_key() != Target.model_validate(
         {"model": "tiny", "serving": target("bf16").serving.model_dump() | {"reference_model_dir": None}}).serve_key()
 
