@@ -49,10 +49,11 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
     input sets), which the end-to-end commands do not take."""
     g = p.add_argument_group("target")
     g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
-    # fp8 (FP8 weights, judged against the bf16 model) is an end-to-end dtype: no op has an fp8 target
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"] + ([] if kernel else ["fp8"]), default="bf16",
-                   help=None if kernel else "fp8: the engine's linear layers and experts in FP8 (a bf16 checkpoint "
-                                            "quantized at load, or an FP8 one), judged against the bf16 model")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
+                   help="fp8: FP8 (e4m3) weights with bf16 activations, judged against the bf16 model"
+                        + (" (the ops with an fp8 target: fused_moe, linear)" if kernel else
+                           ": the engine's linear layers and experts in FP8 (a bf16 checkpoint quantized at load, "
+                           "or an FP8 one)"))
     g.add_argument("--gpu-class", default="any", help=f"run only on this GPU class ({gpu_classes()})")
     if kernel:
         g.add_argument("--decode-batches", type=ints, help="e.g. 1,8,32,128 (default from the preset)")
@@ -121,12 +122,14 @@ def pool_with(path: str | None, gpu_class: str):
     return pool, slots
 
 
-def op_named(name: str):
-    from engine_templates.ops import OPS
+def op_named(name: str, dtype: str = "bf16"):
+    """The op `name` as a target of `dtype` judges it (for fp8, its fp8 target)."""
+    from engine_templates.ops import get_op
 
-    if name not in OPS:
-        raise UsageError(f"unknown op {name!r}; known: {', '.join(sorted(OPS))}")
-    return OPS[name]
+    try:
+        return get_op(name, dtype)
+    except KeyError as e:
+        raise UsageError(e.args[0] + (" (--dtype fp8)" if dtype == "fp8" else "")) from None
 
 
 def shapes_fit(op, target) -> None:

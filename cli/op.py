@@ -48,8 +48,8 @@ def _verdict_text(v: dict, result: dict) -> str:
 def cmd_evaluate(args) -> int:
     from contract.job import screen_signature
 
-    op = op_named(args.op)
     target = target_of(args)
+    op = op_named(args.op, target.dtype)
     shapes_fit(op, target)
     path = Path(args.candidate)
     try:
@@ -78,8 +78,8 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_optimize(args) -> int:
-    op = op_named(args.op)
     target = target_of(args, candidates=args.budget, wall_clock=args.wall_clock, plateau=args.plateau)
+    op = op_named(args.op, target.dtype)
     shapes_fit(op, target)
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")

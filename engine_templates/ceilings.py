@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine_templates.ops.base import DTYPES
+from engine_templates.ops.base import activation_dtype
 
 CACHE_DIR = Path(os.environ.get("INFERSMITH_CACHE", Path.home() / ".cache" / "infersmith"))
 
@@ -90,7 +90,7 @@ def measure(device: str, dtype: str = "bf16", quick: bool = False) -> dict:
     """Measured now, not cached: for a caller that reports it beside figures of the same run.
     `quick`: a few repetitions only, to check a cached figure."""
     if device == "cuda":
-        return _measure_cuda(DTYPES[dtype], copy_reps=3 if quick else 20, mm_reps=3 if quick else 10)
+        return _measure_cuda(dtype, copy_reps=3 if quick else 20, mm_reps=3 if quick else 10)
     return _measure_cpu(reps=3 if quick else 5)
 
 
@@ -108,17 +108,31 @@ def _events_median_s(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _measure_cuda(mm_dtype: torch.dtype, copy_reps: int, mm_reps: int) -> dict:
+def _matmul(dtype: str):
+    """(a square 8192 matmul of the target's dtype as a call, its name). fp8: e4m3 operands with
+    float32 scales through torch._scaled_mm, bf16 out — what an fp8 kernel may reach on FP8 tensor
+    cores (compute capability 8.9 and up; elsewhere the bf16 matmul, the fastest it can use)."""
+    n = 8192
+    if dtype == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS asks
+        one = torch.ones((), device="cuda")
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), "e4m3 _scaled_mm"
+    mm_dtype = activation_dtype(dtype)
+    a = torch.randn(n, n, dtype=mm_dtype, device="cuda")
+    b = torch.randn(n, n, dtype=mm_dtype, device="cuda")
+    return lambda: a @ b, str(mm_dtype).removeprefix("torch.")
+
+
+def _measure_cuda(dtype: str, copy_reps: int, mm_reps: int) -> dict:
     n_bytes = 2 << 30  # 2 GiB each way: far past L2
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
     dst = torch.empty_like(src)
     copy_s = _events_median_s(lambda: dst.copy_(src), reps=copy_reps)  # noqa: F821 (deleted below, after the lambda ran)
     del src, dst
     n = 8192
-    a = torch.randn(n, n, dtype=mm_dtype, device="cuda")
-    b = torch.randn(n, n, dtype=mm_dtype, device="cuda")
-    mm_s = _events_median_s(lambda: a @ b, reps=mm_reps)
-    name = str(mm_dtype).removeprefix("torch.")
+    mm, name = _matmul(dtype)
+    mm_s = _events_median_s(mm, reps=mm_reps)
     return {"copy_bytes_per_s": 2 * n_bytes / copy_s, "matmul_flops_per_s": 2 * n**3 / mm_s,
             "method": f"torch copy_ of 2 GiB bf16 (bytes read+written); 8192^3 {name} matmul; event medians"}
 

@@ -38,7 +38,7 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
     try:
         run_id = tracker.open_candidate(parent, scope, candidate)
         outcome = evaluate(candidate, run_id, target, pool.slots(target.gpu_class), tracker,
-                           target.held_out_shapes(get_op(op)), charge)
+                           target.held_out_shapes(get_op(op, target.dtype)), charge)
         if outcome.held:  # the stages are done and their lease released: a person decides now
             outcome = decide(outcome, target, tracker)
     except BaseException as e:

@@ -59,6 +59,8 @@ def target_for(case: Case, target: Target) -> Target:
     preset of its size class, so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
+    if case.dtype:  # the op's target of that dtype, at its own default tolerance
+        update |= {"dtype": case.dtype, "rtol": None, "approval_rtol": None}
     moe = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
     if not target.dims.is_moe and takes_experts(case.op, moe, target):
         update["model"] = moe

@@ -117,7 +117,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
     `llm` proposer, as many replies are awaited at once as the pool has free slots. With
     `warm_start`, a template search starts from the winners of other targets' published knowledge
     entries; at the end, what the runs taught is written as draft entries for a person."""
-    spec = get_op(op)
+    spec = get_op(op, target.dtype)
     template = template or next(iter(spec.templates))
     if template not in spec.templates:
         raise ValueError(f"{op} has no template {template!r}; known: {', '.join(spec.templates)}")
@@ -188,7 +188,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                         replies |= {propose_code.submit(coder, history, ceil) for _ in range(n - len(batch))}
                     else:
                         fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch),
-                                        [p for p, _ in warm])
+                                        [p for p, _ in warm], target.dtype)
                         batch += [(c, tracker.open_candidate(parent, scope, c, extra_tags={
                             "knowledge": entries_of[point_key(c.point)]} if c.origin == KNOWLEDGE else None), None)
                                   for c in fresh]

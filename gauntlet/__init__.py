@@ -29,6 +29,7 @@ class Case:
     ci: bool = True  # false: only `infersmith gauntlet` (and pytest --gauntlet-all) runs it
     alone: bool = False  # it writes where other stages look: never run beside another case
     gpu_only: bool = False  # its vector exists only on a GPU (CUDA-graph capture): not run on a CPU slot
+    dtype: str = ""  # "fp8": the case runs on the op's fp8 target; "": on the run's dtype
 
     def __post_init__(self) -> None:
         assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"
@@ -37,7 +38,8 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"{self.op}/{self.file.removesuffix('.py')}" if self.file else f"{self.op}/{self.template}[{self.point}]"
+        op = f"{self.op}:{self.dtype}" if self.dtype else self.op
+        return f"{op}/{self.file.removesuffix('.py')}" if self.file else f"{op}/{self.template}[{self.point}]"
 
     @property
     def honest(self) -> bool:
@@ -53,7 +55,7 @@ class Case:
                              origin="gauntlet")
         from engine_templates.ops import get_op
 
-        template = get_op(self.op).templates[self.template]
+        template = get_op(self.op, self.dtype or "bf16").templates[self.template]
         point = dict(template.default) if self.point == "default" else {k: v[-1] for k, v in template.space.items()}
         return Candidate(op=self.op, kind="template", template=self.template, point=point, origin="gauntlet")
 

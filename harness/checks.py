@@ -110,11 +110,16 @@ def judge(op, outs: list[torch.Tensor], args: tuple, rtol: float) -> CallResult:
     return CallResult(True, "", "", worst)
 
 
-def check_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str, rtol: float) -> CallResult:
+def check_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str, rtol: float,
+               oracle_args: tuple | None = None) -> CallResult:
     """Both halves in one process, on a private copy of the inputs: for op tests and op
-    development, where the candidate is trusted. Stages never use it."""
+    development, where the candidate is trusted. Stages never use it. Judged by `op`'s reference
+    on `args`, or with `oracle_args` (the same draw by `op.oracle`) as the stages judge: for an
+    fp8 target, against the full-precision op on the weights before quantization."""
     private = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     result = run_call(op, fn, args, out_dtype, device)
     if not result.ok:
         return result
+    if oracle_args is not None:
+        return judge(op.oracle, list(result.outputs), oracle_args, rtol)
     return judge(op, list(result.outputs), private, rtol)

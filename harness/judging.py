@@ -11,7 +11,7 @@ import torch
 from contract.job import Job
 from contract.verdict import BEYOND_TOLERANCE, PASS, ShapeTiming, Verdict
 from engine_templates.ops import get_op
-from engine_templates.ops.base import DTYPES, generator
+from engine_templates.ops.base import activation_dtype, generator
 from harness import baselines
 from harness import device as devices
 from harness.channel import CutOff, ProtocolError, brief, check_timing, item_index, read_frame
@@ -24,11 +24,11 @@ from harness.stages import shapes_by_label
 class Judge:
     def __init__(self, job: Job, v: Verdict, sources: dict[str, str] | None = None):
         """`sources`: the worker's trees as the supervisor hashed them (the baselines' key)."""
-        self.job, self.v, self.op, self.sources = job, v, get_op(job.candidate.op), sources or {}
+        self.job, self.v, self.op, self.sources = job, v, get_op(job.candidate.op, job.rules.dtype), sources or {}
         self.marks: dict[str, float] = {}  # when the sandbox said isolation, loading, done
         self.book: baselines.Book | None = None
         self.device = devices.pick(job.device)
-        self.dtype, self.shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
+        self.dtype, self.shapes = activation_dtype(job.rules.dtype), shapes_by_label(job)
         v.device = devices.describe(self.device)
         self.judged, self.worst, self.done = 0, 0.0, False
         self._go: Callable[[], bool] = lambda: True  # read() sets the real one
@@ -164,7 +164,10 @@ class Judge:
 
     # -- judging outputs ------------------------------------------------------
     def _args(self, shape_label: str, seed: int, dist: str = "normal") -> tuple:
-        return self.op.inputs(self.shapes[shape_label], self.dtype, self.device, generator(self.device, seed), dist)
+        """The oracle's arguments for one call: drawn from the seed the candidate's were (for an fp8
+        target, the full-precision op's, with the weights before quantization: ops/fp8.py)."""
+        return self.op.oracle.inputs(self.shapes[shape_label], self.dtype, self.device, generator(self.device, seed),
+                                     dist)
 
     def _judge(self, item: str, outs: list[torch.Tensor]) -> None:
         parts = item.split("/")
@@ -178,7 +181,7 @@ class Judge:
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
-                    args = tuple(a if self.op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
+                    args = tuple(a if self.op.oracle.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
                 gate = "caching" if phase == "refill" else "timed_outputs"  # timed, graph, graph-repeat
                 where = f"{spec['shape']} ({phase} input set {j})"
@@ -193,7 +196,7 @@ class Judge:
         self.items.add(item)
         graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
         rtol = self.job.rules.rtol
-        result = judge(self.op, outs, args, self.job.rules.approval_rtol or rtol)
+        result = judge(self.op.oracle, outs, args, self.job.rules.approval_rtol or rtol)
         if result.ok and result.rel_error > rtol and BEYOND_TOLERANCE not in self.v.flags:
             self.v.flags.append(BEYOND_TOLERANCE)
         self.judged += 1

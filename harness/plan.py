@@ -12,7 +12,7 @@ import torch
 
 from contract.job import Job
 from engine_templates import ceilings
-from engine_templates.ops.base import DISTRIBUTIONS, DTYPES
+from engine_templates.ops.base import DISTRIBUTIONS, activation_dtype
 from harness import baselines, timing
 
 _seeds = random.SystemRandom()
@@ -54,7 +54,7 @@ def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -
     l2 = info.get("l2_bytes", 0) if device == "cuda" else 0
     roofline, items = {}, []
     for shape in job.shapes:
-        nbytes, flops = op.bytes(shape, DTYPES[dtype]), op.flops(shape)
+        nbytes, flops = op.bytes(shape, activation_dtype(dtype)), op.flops(shape)
         roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
         roofline[shape.label] = (roof, nbytes, flops)
         n = timing.rotation_count(nbytes, l2) if device == "cuda" else 2

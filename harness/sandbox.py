@@ -47,7 +47,7 @@ def main() -> int:
     request |= json.loads(line)
     send("isolation", detail=f"{memory}; {network}; pid {os.getpid()}")
     job = Job.from_json(request["job"])
-    op, dev = get_op(job.candidate.op), request["device"]
+    op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
     if dev == "cuda":
         torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
     caches = request.get("caches", {})

@@ -20,6 +20,9 @@ from pathlib import Path
 
 RULES_FILE = Path(__file__).with_name("screen_rules.toml")
 REJECT, FLAG = "reject", "flag"
+# The precisions a target asks for, which the `reduced_precision` rule then does not flag: an
+# fp8 target's weights are e4m3 (engine_templates/ops/fp8.py), and a kernel may name the type.
+ASKED = {"fp8": ("torch.float8_e4m3fn", "tl.float8e4nv", "triton.language.float8e4nv")}
 # Calls that join a side stream back to the one being timed (see `_unjoined_stream`).
 _JOINS = {"wait_stream", "wait_event", "synchronize"}
 
@@ -153,11 +156,13 @@ class _Scanner(ast.NodeVisitor):
         return next(r for r in self.rules if r.id == rule_id)
 
 
-def screen(source: str, rules: tuple[Rule, ...] | None = None) -> Screening:
-    """Findings for `source` (which must parse: syntax errors are the load gate's)."""
+def screen(source: str, rules: tuple[Rule, ...] | None = None, dtype: str = "bf16") -> Screening:
+    """Findings for `source` (which must parse: syntax errors are the load gate's), for a target
+    of `dtype`: the precision it asks for (ASKED) is not flagged."""
     scanner = _Scanner(rules or load_rules())
     scanner.visit(ast.parse(source))
-    findings = scanner.findings
+    asked = ASKED.get(dtype, ())
+    findings = [f for f in scanner.findings if not (f.rule == "reduced_precision" and f.what in asked)]
     streams = [f for f in findings if f.rule == "side_stream"]
     if streams and not (_JOINS & scanner.attr_calls):
         # A stream that is never waited on: whatever runs on it finishes after the timer stops.

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from contract.job import Job, Shape
-from engine_templates.ops.base import DTYPES, generator
+from engine_templates.ops.base import activation_dtype, generator
 from harness import integrity, timing
 from harness.checks import run_call
 
@@ -52,7 +52,7 @@ def failure_gate(e: BaseException, default: str) -> str:
 
 def compile_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
     """Call once on every shape: JIT compilation and autotuning happen here, not in timing."""
-    dtype = DTYPES[job.rules.dtype]
+    dtype = activation_dtype(job.rules.dtype)
     t = time.perf_counter()
     for shape in [*job.shapes, *job.odd_shapes]:
         send("compiling", shape=shape.label)  # what a stage stopped at its limit was doing
@@ -71,7 +71,7 @@ def compile_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
 
 def check_stage(job: Job, op, fn, dev: str, plan: dict, send: Send) -> None:
     """Each planned call on fresh inputs drawn from the supervisor's seed; outputs go to it."""
-    dtype, shapes = DTYPES[job.rules.dtype], shapes_by_label(job)
+    dtype, shapes = activation_dtype(job.rules.dtype), shapes_by_label(job)
     for i, call in enumerate(plan["calls"]):
         where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
         args = op.inputs(shapes[call["shape"]], dtype, dev, generator(dev, call["seed"]), call["dist"])
@@ -103,7 +103,7 @@ def prepare_shape(job: Job, op, dev: str, item: dict, send: Send, settle: Callab
     """One planned shape's input sets and timing method, once the supervisor has said go (None:
     its answer did not come as sent, and the failed gate was sent)."""
     shape = shapes_by_label(job)[item["shape"]]
-    dtype = DTYPES[job.rules.dtype]
+    dtype = activation_dtype(job.rules.dtype)
     arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
     method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
     if not settle():
@@ -141,7 +141,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
     the GPU while this process times. `patched` names the timers and harness functions the
     candidate has replaced (integrity.Identities.changed): asked after every shape's timings, so
     that a swap undone before the stage ends is caught all the same."""
-    dtype = DTYPES[job.rules.dtype]
+    dtype = activation_dtype(job.rules.dtype)
     for k, item in enumerate(plan["shapes"]):
         if (ready := prepare_shape(job, op, dev, item, send, settle)) is None:
             return

@@ -88,7 +88,7 @@ def _note_phases(v: Verdict, stage: str, points: list[tuple[str, float]]) -> Non
 
 def _screened(job: Job, v: Verdict) -> bool:
     try:
-        found = screen(job.candidate.source or "")
+        found = screen(job.candidate.source or "", dtype=job.rules.dtype)
     except SyntaxError:
         return True  # the load gate reports it, with the line
     if found.rejections:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from engine_templates.ops import get_op
-from engine_templates.ops.base import DTYPES
+from engine_templates.ops.base import activation_dtype
 from tracking.trials import PENDING, Ceilings, Trial
 
 if TYPE_CHECKING:
@@ -122,8 +122,8 @@ def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: C
     """The description of `op_name` for `target`, given every trial tracking holds for them, the
     ceilings of the pool's GPU class (None where none were measured yet) and the text of the
     published knowledge entries for the op and that class."""
-    op = get_op(op_name)
-    w, dtype = target.workload, DTYPES[target.dtype]
+    op = get_op(op_name, target.dtype)
+    w, dtype = target.workload, activation_dtype(target.dtype)
     shapes = []
     for s in op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts):
         nbytes, flops = op.bytes(s, dtype), op.flops(s)

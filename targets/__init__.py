@@ -29,12 +29,17 @@ from targets.held_out import held_out_shapes
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
 GPUClass = Literal["any", GPUClassName]  # "any", or a class a pool file's host may have
 # fp8: FP8 (e4m3) weights for the linear layers and experts, bf16 activations, judged against the
-# bf16 model; an end-to-end dtype only (no op has an fp8 target)
+# bf16 model: end to end, and for the ops with an fp8 target (engine_templates.ops.FP8_OPS)
 DType = Literal["bf16", "fp16", "fp32", "fp8"]
 
 # Relative error ||out - ref|| / ||ref|| allowed per output dtype: a few ulps of the
-# format after a reduction, well under what a wrong kernel produces (~1).
-DEFAULT_RTOL = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}
+# format after a reduction, well under what a wrong kernel produces (~1). fp8 is an fp8 op
+# target against the bf16 weights' float64 result: e4m3 keeps 3 mantissa bits, and the honest
+# dequantize-then-multiply lands up to 0.030 from it for linear (every input distribution, tiny to
+# qwen3-8b shapes; 0.041 with the activations rounded to e4m3 too) and up to 0.076 for fused_moe
+# (three products and a gate: tiny-moe, 12 seeds); a scale off by 2x, or used as a divisor, lands
+# near 1 or far above (docs/targets.md#fp8-op-targets).
+DEFAULT_RTOL = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4, "fp8": 0.15}
 
 
 class Workload(BaseModel):
@@ -229,8 +234,8 @@ class Target(BaseModel):
 
     @model_validator(mode="after")
     def _approval_looser(self) -> Target:
-        tolerance = self.rtol if self.rtol is not None else DEFAULT_RTOL.get(self.dtype)  # none for fp8: no op stage
-        if self.approval_rtol is not None and tolerance is not None and self.approval_rtol <= tolerance:
+        tolerance = self.tolerance
+        if self.approval_rtol is not None and self.approval_rtol <= tolerance:
             raise ValueError(f"approval_rtol {self.approval_rtol:g} must be looser than the tolerance "
                              f"{tolerance:g}, not tighter")
         return self
@@ -256,8 +261,6 @@ class Target(BaseModel):
         return "bf16" if self.dtype == "fp8" else self.dtype
 
     def rules(self, on_gpu: bool) -> Rules:
-        if self.dtype == "fp8":
-            raise ValueError("dtype fp8 is an end-to-end target (FP8 weights in the engine); no op has an fp8 target")
         return Rules(dtype=self.dtype, rtol=self.tolerance, approval_rtol=self.approval_rtol, seeds=self.seeds,
                      compile_baseline=on_gpu)
 

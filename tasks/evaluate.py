@@ -47,7 +47,7 @@ def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequenc
              rules: Rules | None = None) -> dict[str, Job]:
     """The three stages' jobs: the target's shapes timed; the op's awkward sizes and this run's
     held-out shapes (targets/held_out.py) checked too; by the target's rules or `rules`."""
-    op = get_op(candidate.op)
+    op = get_op(candidate.op, target.dtype)
     w = target.workload
     shapes = op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
     odd = [*op.odd_shapes(target.dims), *held_out]
@@ -134,17 +134,17 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
-        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate),
+        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate, target.dtype),
                                  rules=used[-1] if used else None)
         raise
     held = verdict.needs_approval
     rules = used[-1] if used else None
     if not held:
-        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate), rules=rules)
+        tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate, target.dtype), rules=rules)
         return Outcome(candidate, verdict, charge, run_id)
     waiting = copy.deepcopy(verdict)
     waiting.gate("approval", False, f"waiting for a person's approval ({', '.join(held)})")
-    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate), {"approval": "waiting"},
+    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate, target.dtype), {"approval": "waiting"},
                              rules=rules)
     return Outcome(candidate, verdict, charge, run_id, held=True)
 
@@ -160,10 +160,10 @@ def time_held_out(outcome: Outcome, target: Target, slots: list[Slot], tracker: 
     return Outcome(c, verdict, charge, outcome.run_id)
 
 
-def _template_source(candidate: Candidate) -> str | None:
+def _template_source(candidate: Candidate, dtype: str) -> str | None:
     if candidate.kind != "template":
         return None
-    return get_op(candidate.op).templates[candidate.template].source_path.read_text()
+    return get_op(candidate.op, dtype).templates[candidate.template].source_path.read_text()
 
 
 def one_line(o: Outcome) -> str:

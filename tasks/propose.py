@@ -12,12 +12,13 @@ from tracking.trials import Ceilings, Trial
 
 @task(name="propose", cache_policy=NO_CACHE)
 def propose(proposer: str, op: str, template: str, seed: int, history: list[Trial], n: int,
-            warm_start: list[dict] | None = None) -> list[Candidate]:
+            warm_start: list[dict] | None = None, dtype: str = "bf16") -> list[Candidate]:
     """Up to n new candidates from the proposer, given every trial tracking holds and the points
-    published knowledge starts it from."""
+    published knowledge starts it from; from the template of the op's `dtype` target."""
     from proposers import make_proposer
 
-    return make_proposer(proposer, op, get_op(op).templates[template], seed, warm_start or ()).propose(history, n)
+    template_ = get_op(op, dtype).templates[template]
+    return make_proposer(proposer, op, template_, seed, warm_start or ()).propose(history, n)
 
 
 @task(name="propose-code", cache_policy=NO_CACHE)

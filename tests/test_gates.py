@@ -91,6 +91,15 @@ def test_screen_lets_a_joined_side_stream_and_plain_kernels_through():
         assert not screen(path.read_text()).rejections, path
 
 
+def test_screen_flags_fp8_unless_the_target_asks_for_it():
+    """An fp8 target's weights are e4m3: naming that type is what it asks for; e5m2 (or fp8
+    under any other target) is still a precision a person approves."""
+    e4m3 = "import torch\nimport triton.language as tl\ntorch.float8_e4m3fn\ntl.float8e4nv\n"
+    assert [f.what for f in screen(e4m3).flags] == ["torch.float8_e4m3fn", "triton.language.float8e4nv"]
+    assert not screen(e4m3, dtype="fp8").flags
+    assert [f.what for f in screen("import torch\ntorch.float8_e5m2\n", dtype="fp8").flags] == ["torch.float8_e5m2"]
+
+
 def test_speed_of_light_rejects_a_time_under_the_roofline():
     from harness.judging import speed_of_light
 
@@ -133,7 +142,13 @@ def test_ops_declare_their_persistent_arguments():
         assert set(op.persistent) <= set(op.arg_names), op.name
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
-        "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}}
+        "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}, "linear": {"weight"}}
+    from engine_templates.ops import FP8_OPS
+
+    # an fp8 target's weights and their scales
+    assert {name: set(op.persistent) for name, op in FP8_OPS.items()} == {
+        "linear": {"weight", "weight_scale"},
+        "fused_moe": {"w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale"}}
 
 
 def test_shapes_under_a_millisecond_of_roofline_are_timed_by_graph():

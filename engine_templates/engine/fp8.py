@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_templates.ops.fp8 import FP8, FP8_MAX, expand_scale, quantize_blocks
+
 log = logging.getLogger("infersmith.engine")
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value
 ACT_GROUP = 128  # activation columns per scale in the block-wise scaled matmul
 
 
@@ -97,28 +97,9 @@ class Fp8Weight:
         return self.q.numel() + 4 * self.scale.numel()
 
 
-def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
-    """The scales repeated over their blocks, broadcastable to `shape` (one column where a block
-    spans every column, as per-channel scales do)."""
-    rows, cols = shape[-2:]
-    if block[0] > 1:
-        scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    if scale.shape[-1] > 1:
-        scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return scale
-
-
 def quantize(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
     """`w` [..., rows, cols] to e4m3: each block's scale maps its largest magnitude to 448."""
-    rows, cols = w.shape[-2:]
-    br, bc = block
-    pr, pc = -(-rows // br) * br, -(-cols // bc) * bc
-    padded = F.pad(w.float(), (0, pc - cols, 0, pr - rows))  # zero padding: no effect on a maximum
-    blocks = padded.view(*w.shape[:-2], pr // br, br, pc // bc, bc)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # an all-zero block: any scale
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(*w.shape[:-2], pr, pc)
-    return Fp8Weight(q[..., :rows, :cols].to(FP8).contiguous(), scale.contiguous(), block)
+    return Fp8Weight(*quantize_blocks(w, block), block)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,14 @@ from contract.job import Shape
 from engine_templates.models import ModelDims
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# A target's dtype as the ops see it: an fp8 target's weights are e4m3 with float32 scales
+# (engine_templates/ops/fp8.py), and its activations and outputs are bf16.
+ACTIVATIONS = {**DTYPES, "fp8": torch.bfloat16}
+
+
+def activation_dtype(target_dtype: str) -> torch.dtype:
+    """The activations' and outputs' dtype of a target of `target_dtype` (bf16, fp16, fp32, fp8)."""
+    return ACTIVATIONS[target_dtype]
 
 # Input distributions cycled across seeds: a kernel right only for N(0,1) does not pass.
 DISTRIBUTIONS = ("normal", "uniform", "heavy", "offset")
@@ -124,6 +132,12 @@ class Op(ABC):
     @abstractmethod
     def flops(self, shape: Shape) -> int:
         """Floating-point operations of one call."""
+
+    @property
+    def oracle(self) -> Op:
+        """The op whose inputs (drawn from the same generator) and reference judge this one's
+        outputs: itself, or for a quantized variant the full-precision op (ops/fp8.py)."""
+        return self
 
     @property
     def arg_names(self) -> list[str]:

@@ -25,6 +25,11 @@ atomic adds into a zeroed output: as many launches here (the zeroing, the cast t
 and a result that depends on the order the slots land. A fixed order gives the same bits every
 run.
 
+FP8 experts (the fp8 target, `fp8_templates.py`): e4m3 weights with one float32 scale per
+128 x 128 block; a tile of BLOCK_H (pass 1) or BLOCK_K (pass 2) columns lies inside one block
+column, so each row's partial sum is multiplied by its block's scale before it is added, and the
+experts are read at one byte a weight.
+
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
 not this template. MAX_TOKENS declares the calls it is meant for: the engine runs a call with
@@ -70,8 +75,9 @@ def _route(LOGITS, WEIGHTS, EXPERTS, n_experts, stride_lt, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_act(X, W_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_we, stride_wo,
-                 TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gate_up_act(X, W_GU, S_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_we, stride_wo, stride_se, stride_so,
+                 TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SCALED: tl.constexpr,
+                 SCALE_BLOCK: tl.constexpr):
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(EXPERTS + pair).to(tl.int64)
@@ -87,15 +93,22 @@ def _gate_up_act(X, W_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_we, str
         m = i_mask[:, None] & h_mask[None, :]
         wg = tl.load(w_rows + h[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(w_rows + inter * stride_wo + h[None, :], mask=m, other=0.0).to(tl.float32)
-        gate += tl.sum(wg * x[None, :], axis=1)
-        up += tl.sum(wu * x[None, :], axis=1)
+        if SCALED:  # the tile lies in one block column: one scale per row
+            s_rows = S_GU + expert * stride_se + start // SCALE_BLOCK
+            sg = tl.load(s_rows + (i // SCALE_BLOCK) * stride_so, mask=i_mask, other=0.0)
+            su = tl.load(s_rows + ((inter + i) // SCALE_BLOCK) * stride_so, mask=i_mask, other=0.0)
+            gate += tl.sum(wg * x[None, :], axis=1) * sg
+            up += tl.sum(wu * x[None, :], axis=1) * su
+        else:
+            gate += tl.sum(wg * x[None, :], axis=1)
+            up += tl.sum(wu * x[None, :], axis=1)
     act = gate * tl.sigmoid(gate) * up
     tl.store(ACT + pair.to(tl.int64) * inter + i, act, mask=i_mask)
 
 
 @triton.jit
-def _down(ACT, W_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh,
-          BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr):
+def _down(ACT, W_D, S_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh, stride_se, stride_sh,
+          BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     h_mask = h < hidden
@@ -107,7 +120,12 @@ def _down(ACT, W_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh,
         a = tl.load(ACT + pair * inter + i, mask=i_mask, other=0.0)
         w = tl.load(W_D + expert * stride_we + h[:, None] * stride_wh + i[None, :],
                     mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        if SCALED:  # the tile lies in one block column: one scale per row
+            s = tl.load(S_D + expert * stride_se + (h // SCALE_BLOCK) * stride_sh + start // SCALE_BLOCK,
+                        mask=h_mask, other=0.0)
+            acc += tl.sum(w * a[None, :], axis=1) * s
+        else:
+            acc += tl.sum(w * a[None, :], axis=1)
     tl.store(PART + pair * hidden + h, tl.load(WEIGHTS + pair) * acc, mask=h_mask)
 
 
@@ -135,28 +153,45 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, experts
 
 
+SCALE_BLOCK = 128  # expert rows and columns per scale (engine_templates/ops/fp8.py BLOCK)
+
+
+def launch(x, router_logits, w_gate_up, gu_scale, w_down, d_scale, top_k: int, renormalize: bool, block_i: int,
+           block_h: int, block_o: int, block_k: int, num_warps: int) -> torch.Tensor:
+    """The four kernels; `gu_scale` and `d_scale`: the experts' 128 x 128 block scales (FP8
+    experts), or None."""
+    tokens, hidden = x.shape
+    n_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    assert w_gate_up.shape[2] == hidden and w_down.shape == (n_experts, hidden, inter)
+    assert router_logits.shape == (tokens, n_experts)
+    assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
+    scaled = gu_scale is not None
+    if scaled:
+        assert SCALE_BLOCK % block_h == 0 and SCALE_BLOCK % block_k == 0, "a tile must lie in one block column"
+        assert gu_scale.stride(2) == 1 and d_scale.stride(2) == 1
+    gs, ds = (gu_scale, d_scale) if scaled else (w_gate_up, w_down)  # unread when not scaled
+    weights, experts = triton_route(router_logits, top_k, renormalize)
+    act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=x.device)
+    part = torch.empty((tokens, top_k, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    _gate_up_act[(tokens * top_k, triton.cdiv(inter, block_i))](
+        x, w_gate_up, gs, experts, act, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0,
+        TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, SCALED=scaled, SCALE_BLOCK=SCALE_BLOCK, num_warps=num_warps)
+    _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
+        act, w_down, ds, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
+        ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0,
+        BLOCK_K=block_k, BLOCK_O=block_o, SCALED=scaled, SCALE_BLOCK=SCALE_BLOCK, num_warps=num_warps)
+    block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
+    _sum_slots[(tokens, triton.cdiv(hidden, block))](part, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
 def build(block_i: int, block_h: int, block_o: int, block_k: int, num_warps: int):
     def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        tokens, hidden = x.shape
-        n_experts, two_inter, _ = w_gate_up.shape
-        inter = two_inter // 2
-        assert w_gate_up.shape[2] == hidden and w_down.shape == (n_experts, hidden, inter)
-        assert router_logits.shape == (tokens, n_experts)
-        assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
-        weights, experts = triton_route(router_logits, top_k, renormalize)
-        act = torch.empty((tokens * top_k, inter), dtype=torch.float32, device=x.device)
-        part = torch.empty((tokens, top_k, hidden), dtype=torch.float32, device=x.device)
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-        _gate_up_act[(tokens * top_k, triton.cdiv(inter, block_i))](
-            x, w_gate_up, experts, act, hidden, inter, x.stride(0), w_gate_up.stride(0),
-            w_gate_up.stride(1), TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=num_warps)
-        _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
-            act, w_down, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
-            BLOCK_K=block_k, BLOCK_O=block_o, num_warps=num_warps)
-        block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
-        _sum_slots[(tokens, triton.cdiv(hidden, block))](part, out, hidden, TOP_K=top_k, BLOCK=block,
-                                                         num_warps=4)
-        return out
+        return launch(x, router_logits, w_gate_up, None, w_down, None, top_k, renormalize, block_i, block_h,
+                      block_o, block_k, num_warps)
 
     return fused_moe
