@@ -18,7 +18,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
-from engine_templates.ops import OPS
+from engine_templates.ops import FP8_OPS, OPS, get_op
 from gpu_pool.pool import Pool
 from proposers.describe import SEED
 from targets import Target
@@ -65,10 +65,13 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
 
     server = MCPServer("infersmith", instructions=INSTRUCTIONS)
 
+    ops = FP8_OPS if target.dtype == "fp8" else OPS  # the ops this target's dtype has
+
     def fitting(op: str):
-        spec = OPS.get(op)
-        if spec is None:
-            raise ToolError(f"unknown op {op!r}; known: {', '.join(sorted(OPS))}")
+        try:
+            spec = get_op(op, target.dtype)
+        except KeyError as e:
+            raise ToolError(e.args[0]) from None
         w = target.workload
         try:
             spec.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
@@ -80,7 +83,7 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
     def list_ops() -> list[dict[str, Any]]:
         """The ops of this server's target: name, signature, what it computes, whether it fits the model."""
         out = []
-        for op in OPS.values():
+        for op in ops.values():
             try:
                 fitting(op.name)
                 fits = True

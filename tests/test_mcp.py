@@ -139,3 +139,28 @@ def test_an_agent_reads_published_knowledge_and_never_a_draft(prefect_server, tm
     assert [e["id"] for e in found] == [published.id] and found[0]["text"].startswith("PUBLISHED")
     text = described.content[0].text
     assert "PUBLISHED: two rows a program" in text and "DRAFT" not in text
+
+
+def test_an_fp8_targets_server_offers_and_describes_the_fp8_ops_only(tmp_path, monkeypatch):
+    """Its ops are those with an fp8 target, described with their FP8 signature; another op is
+    refused saying which have one."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from cli.mcp_server import build_server
+    from gpu_pool.pool import local_pool
+    from targets import Target
+
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    server = build_server(Target(model="tiny", dtype="fp8"), local_pool())
+
+    async def calls():
+        listed = _data(await server.call_tool("list_ops", {}))
+        described = _data(await server.call_tool("describe_op", {"op": "linear"}))
+        with pytest.raises(ToolError, match="rmsnorm has no fp8 target; ops with one: fused_moe, linear"):
+            await server.call_tool("describe_op", {"op": "rmsnorm"})
+        return listed, described
+
+    listed, described = anyio.run(calls)
+    assert {o["op"]: o["fits_target"] for o in listed} == {"linear": True, "fused_moe": False}  # tiny is dense
+    assert "weight_scale" in described
