@@ -30,9 +30,10 @@ class DecodeGraphs:
         sizes = {b for b in config.cuda_graph_batch_sizes if b <= config.max_num_seqs}
         # A verify step of speculative decoding is a decode batch of 1 + spec_tokens rows a sequence.
         sizes |= {b * (1 + config.spec_tokens) for b in sizes}
-        if cfg.is_moe and (model.k.choices["fused_moe"]["impl"] == "eager" or cfg.fp8 is not None):
-            # The eager MoE (and the FP8 one, beyond its gather path) syncs with the host once
-            # tokens * top_k exceed the experts.
+        dequantized = model.moe_fp8 is not None and model.moe_fp8.scaled is None
+        if cfg.is_moe and (model.k.choices["fused_moe"]["impl"] == "eager" or dequantized):
+            # The eager MoE (and the dequantized FP8 one, beyond its gather path) syncs with the
+            # host once tokens * top_k exceed the experts; the scaled FP8 kernel never does.
             sizes = {b for b in sizes if b * cfg.experts_per_token <= cfg.experts}
         self.sizes = sorted(sizes)
         max_w = runner.max_blocks_per_seq

@@ -80,14 +80,17 @@ class LLMEngine:
 
     @property
     def kernel_choices(self) -> dict:
-        """Each op's implementation; with FP8 weights also `fp8`: the block scheme and the matmul
-        path per kind of scale (fp8.Fp8Linear)."""
+        """Each op's implementation; with FP8 weights also `fp8`: the block scheme, the matmul
+        path per kind of scale (fp8.Fp8Linear) and, for a MoE model, the experts' path
+        (fp8_moe.Fp8MoE: `moe`, and `moe_dequant_above_tokens` where large calls are dequantized)."""
         fp8 = self.model_config.fp8
         if fp8 is None:
             return self.kernels.choices
-        linear = self.runner.model.linear
-        return self.kernels.choices | {"fp8": {"block": list(fp8.block) if fp8.block else "channel",
-                                               "linear": linear.choices}}
+        model = self.runner.model
+        out = {"block": list(fp8.block) if fp8.block else "channel", "linear": model.linear.choices}
+        if model.moe_fp8 is not None:
+            out |= model.moe_fp8.choices()
+        return self.kernels.choices | {"fp8": out}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A new sequence in the queue. ValueError (a message for the client) if it cannot fit."""

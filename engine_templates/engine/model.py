@@ -5,7 +5,7 @@ transformers (5.x) names its parameters — the MoE experts stacked per layer as
 `mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] and `mlp.experts.down_proj` — so the
 loader can fill them and an HF model can share them. The matmuls are torch's (through
 fp8.Fp8Linear where the config quantizes the linear layers and experts to FP8: those weights are
-then fp8.Fp8Weight); the rest is the kernels'.
+then fp8.Fp8Weight); the rest is the kernels' (FP8 experts through fp8_moe.Fp8MoE).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_templates.engine.config import ModelConfig
-from engine_templates.engine.fp8 import Fp8Linear, Fp8Weight, fused_moe_fp8, quantize
+from engine_templates.engine.fp8 import Fp8Linear, Fp8Weight, quantize
+from engine_templates.engine.fp8_moe import Fp8MoE
 from engine_templates.engine.kernels import KernelSet
 
 
@@ -121,6 +122,10 @@ class Qwen3Model:
         self.norm = tensor("model.norm.weight", cfg.hidden)
         self.lm_head = self.embed if cfg.tie_embeddings else tensor("lm_head.weight", cfg.vocab, cfg.hidden)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        moe = next((layer for layer in self.layers if layer.is_moe), None)
+        self.moe_fp8 = (Fp8MoE(kernels, moe.w_gate_up, moe.w_down, cfg.experts_per_token, dtype)
+                        if kernels is not None and moe is not None and isinstance(moe.w_gate_up, Fp8Weight)
+                        else None)
 
     def weights(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every weight by its HF transformers name (a tied lm_head is the embedding, not listed)."""
@@ -171,7 +176,7 @@ class Qwen3Model:
     def _moe(self, layer: Layer, x):
         router_logits = F.linear(x, layer.router)
         if isinstance(layer.w_gate_up, Fp8Weight):
-            return fused_moe_fp8(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
-                                 self.cfg.norm_topk_prob, self.k.fused_moe)
+            return self.moe_fp8(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
+                                self.cfg.norm_topk_prob)
         return self.k.fused_moe(x, router_logits, layer.w_gate_up, layer.w_down,
                                 self.cfg.experts_per_token, self.cfg.norm_topk_prob)

@@ -50,6 +50,13 @@ def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Te
     return scale
 
 
+def tile_fits(scale: torch.Tensor, block: tuple[int, int], tile: int) -> bool:
+    """Whether a kernel's tiles of `tile` columns each lie in one column of scale blocks, so that
+    one scale per row covers a tile: the scales have one column, or a block is a whole number of
+    tiles wide."""
+    return scale.shape[-1] == 1 or block[1] % tile == 0
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                block: tuple[int, int] = BLOCK) -> torch.Tensor:
     """The weight e4m3 values and their block scales stand for, in `dtype`."""

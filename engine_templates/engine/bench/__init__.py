@@ -152,6 +152,8 @@ def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weig
     if variant.fp8:  # its own roofline: the matrices are read at one byte a parameter
         result["roofline"] = _bounds(opts, cfg, ceilings, matrix_itemsize=1)
         result["fp8"] = engine.kernel_choices["fp8"]
+        if engine.runner.model.moe_fp8 is not None:  # calls from Python: prefills, warm-ups, captures
+            result["fp8"]["moe_calls"] = dict(engine.runner.model.moe_fp8.calls)
     if variant.spec_tokens:  # every phase's drafts together, warm-ups included
         result["speculative"] = engine.spec_stats.as_dict()
     return result

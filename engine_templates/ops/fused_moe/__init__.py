@@ -87,17 +87,23 @@ def _row_major_16b(w: torch.Tensor) -> bool:
             and w.stride(0) % align == 0 and w.data_ptr() % 16 == 0)
 
 
+def grouped_fits(experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `grouped_moe` runs on expert weights of these sizes in `dtype`, freshly allocated
+    (contiguous, as dequantized FP8 experts are) on `device`, with activations of `dtype`: bf16, a
+    device where torch._grouped_mm needs no host sync, fewer experts than its group limit, hidden
+    and intermediate sizes multiples of 8 (16 bytes: the row strides)."""
+    return (dtype == torch.bfloat16 and grouped_mm_device(device) and experts <= GROUPED_MM_MAX_GROUPS
+            and hidden % 8 == 0 and inter % 8 == 0)
+
+
 def grouped_usable(w_gate_up: torch.Tensor, w_down: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether `grouped_moe` can run on these expert weights with activations of `dtype`: bf16
-    everywhere, a device where torch._grouped_mm needs no host sync, fewer experts than its group
-    limit, hidden and intermediate sizes multiples of 8 (16 bytes: the activations' row strides)
-    and weights laid out row-major and 16-byte aligned. Decided from shapes, strides and the
-    device alone: no host sync, so it may be asked inside a CUDA graph capture."""
+    """Whether `grouped_moe` can run on these expert weights with activations of `dtype`:
+    `grouped_fits` their sizes, both in `dtype` on one device, laid out row-major and 16-byte
+    aligned. Decided from shapes, strides and the device alone: no host sync, so it may be asked
+    inside a CUDA graph capture."""
     experts, _, hidden = w_gate_up.shape
-    inter = w_down.shape[2]
-    return (dtype == torch.bfloat16 and w_gate_up.dtype == dtype and w_down.dtype == dtype
-            and w_gate_up.device == w_down.device and grouped_mm_device(w_gate_up.device)
-            and experts <= GROUPED_MM_MAX_GROUPS and hidden % 8 == 0 and inter % 8 == 0
+    return (grouped_fits(experts, hidden, w_down.shape[2], dtype, w_gate_up.device)
+            and w_gate_up.dtype == dtype and w_down.dtype == dtype and w_gate_up.device == w_down.device
             and _row_major_16b(w_gate_up) and _row_major_16b(w_down))
 
 

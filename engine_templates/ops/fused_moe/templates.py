@@ -25,10 +25,12 @@ atomic adds into a zeroed output: as many launches here (the zeroing, the cast t
 and a result that depends on the order the slots land. A fixed order gives the same bits every
 run.
 
-FP8 experts (the fp8 target, `fp8_templates.py`): e4m3 weights with one float32 scale per
-128 x 128 block; a tile of BLOCK_H (pass 1) or BLOCK_K (pass 2) columns lies inside one block
-column, so each row's partial sum is multiplied by its block's scale before it is added, and the
-experts are read at one byte a weight.
+FP8 experts (the fp8 target, `fp8_templates.py`, and the engine's FP8 MoE): e4m3 weights with
+one float32 scale per block of SCALE_R x SCALE_C elements (128 x 128 in the fp8 target; the
+engine's stacks may keep one scale row per weight row, or one scale column for a whole row); a
+tile of BLOCK_H (pass 1) or BLOCK_K (pass 2) columns lies inside one block column, so each row's
+partial sum is multiplied by its block's scale before it is added, and the experts are read at
+one byte a weight.
 
 Every expert matrix is streamed once per (token, slot): right for decode batches, where few
 tokens share an expert; a grouped GEMM over tokens sorted by expert is the prefill shape and is
@@ -41,6 +43,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine_templates.ops.fp8 import BLOCK, tile_fits
 
 MAX_TOKENS = 64  # decode-shaped: EngineConfig's largest CUDA graph batch size
 RANK_CHUNK = 32  # rival experts compared at once: a [experts, 32] tile stays in registers
@@ -77,7 +81,7 @@ def _route(LOGITS, WEIGHTS, EXPERTS, n_experts, stride_lt, TOP_K: tl.constexpr,
 @triton.jit
 def _gate_up_act(X, W_GU, S_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_we, stride_wo, stride_se, stride_so,
                  TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SCALED: tl.constexpr,
-                 SCALE_BLOCK: tl.constexpr):
+                 SCALE_R: tl.constexpr, SCALE_C: tl.constexpr):
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(EXPERTS + pair).to(tl.int64)
@@ -94,9 +98,9 @@ def _gate_up_act(X, W_GU, S_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_w
         wg = tl.load(w_rows + h[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(w_rows + inter * stride_wo + h[None, :], mask=m, other=0.0).to(tl.float32)
         if SCALED:  # the tile lies in one block column: one scale per row
-            s_rows = S_GU + expert * stride_se + start // SCALE_BLOCK
-            sg = tl.load(s_rows + (i // SCALE_BLOCK) * stride_so, mask=i_mask, other=0.0)
-            su = tl.load(s_rows + ((inter + i) // SCALE_BLOCK) * stride_so, mask=i_mask, other=0.0)
+            s_rows = S_GU + expert * stride_se + start // SCALE_C
+            sg = tl.load(s_rows + (i // SCALE_R) * stride_so, mask=i_mask, other=0.0)
+            su = tl.load(s_rows + ((inter + i) // SCALE_R) * stride_so, mask=i_mask, other=0.0)
             gate += tl.sum(wg * x[None, :], axis=1) * sg
             up += tl.sum(wu * x[None, :], axis=1) * su
         else:
@@ -108,7 +112,8 @@ def _gate_up_act(X, W_GU, S_GU, EXPERTS, ACT, hidden, inter, stride_xt, stride_w
 
 @triton.jit
 def _down(ACT, W_D, S_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, stride_wh, stride_se, stride_sh,
-          BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, SCALED: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+          BLOCK_K: tl.constexpr, BLOCK_O: tl.constexpr, SCALED: tl.constexpr, SCALE_R: tl.constexpr,
+          SCALE_C: tl.constexpr):
     pair = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     h_mask = h < hidden
@@ -121,7 +126,7 @@ def _down(ACT, W_D, S_D, EXPERTS, WEIGHTS, PART, hidden, inter, stride_we, strid
         w = tl.load(W_D + expert * stride_we + h[:, None] * stride_wh + i[None, :],
                     mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
         if SCALED:  # the tile lies in one block column: one scale per row
-            s = tl.load(S_D + expert * stride_se + (h // SCALE_BLOCK) * stride_sh + start // SCALE_BLOCK,
+            s = tl.load(S_D + expert * stride_se + (h // SCALE_R) * stride_sh + start // SCALE_C,
                         mask=h_mask, other=0.0)
             acc += tl.sum(w * a[None, :], axis=1) * s
         else:
@@ -153,13 +158,11 @@ def triton_route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, experts
 
 
-SCALE_BLOCK = 128  # expert rows and columns per scale (engine_templates/ops/fp8.py BLOCK)
-
-
 def launch(x, router_logits, w_gate_up, gu_scale, w_down, d_scale, top_k: int, renormalize: bool, block_i: int,
-           block_h: int, block_o: int, block_k: int, num_warps: int) -> torch.Tensor:
-    """The four kernels; `gu_scale` and `d_scale`: the experts' 128 x 128 block scales (FP8
-    experts), or None."""
+           block_h: int, block_o: int, block_k: int, num_warps: int, gu_block: tuple[int, int] = BLOCK,
+           d_block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    """The four kernels; `gu_scale` and `d_scale`: the experts' block scales (FP8 experts), one
+    per `gu_block` / `d_block` (rows, columns) of each expert's matrix, or None."""
     tokens, hidden = x.shape
     n_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
@@ -168,7 +171,10 @@ def launch(x, router_logits, w_gate_up, gu_scale, w_down, d_scale, top_k: int, r
     assert x.stride(1) == 1 and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
     scaled = gu_scale is not None
     if scaled:
-        assert SCALE_BLOCK % block_h == 0 and SCALE_BLOCK % block_k == 0, "a tile must lie in one block column"
+        assert tile_fits(gu_scale, gu_block, block_h) and tile_fits(d_scale, d_block, block_k), \
+            "a tile must lie in one block column"
+        assert gu_scale.shape == (n_experts, -(-two_inter // gu_block[0]), -(-hidden // gu_block[1]))
+        assert d_scale.shape == (n_experts, -(-hidden // d_block[0]), -(-inter // d_block[1]))
         assert gu_scale.stride(2) == 1 and d_scale.stride(2) == 1
     gs, ds = (gu_scale, d_scale) if scaled else (w_gate_up, w_down)  # unread when not scaled
     weights, experts = triton_route(router_logits, top_k, renormalize)
@@ -178,11 +184,13 @@ def launch(x, router_logits, w_gate_up, gu_scale, w_down, d_scale, top_k: int, r
     _gate_up_act[(tokens * top_k, triton.cdiv(inter, block_i))](
         x, w_gate_up, gs, experts, act, hidden, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0,
-        TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, SCALED=scaled, SCALE_BLOCK=SCALE_BLOCK, num_warps=num_warps)
+        TOP_K=top_k, BLOCK_I=block_i, BLOCK_H=block_h, SCALED=scaled, SCALE_R=gu_block[0], SCALE_C=gu_block[1],
+        num_warps=num_warps)
     _down[(tokens * top_k, triton.cdiv(hidden, block_o))](
         act, w_down, ds, experts, weights, part, hidden, inter, w_down.stride(0), w_down.stride(1),
         ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0,
-        BLOCK_K=block_k, BLOCK_O=block_o, SCALED=scaled, SCALE_BLOCK=SCALE_BLOCK, num_warps=num_warps)
+        BLOCK_K=block_k, BLOCK_O=block_o, SCALED=scaled, SCALE_R=d_block[0], SCALE_C=d_block[1],
+        num_warps=num_warps)
     block = min(triton.next_power_of_2(hidden), SUM_BLOCK)
     _sum_slots[(tokens, triton.cdiv(hidden, block))](part, out, hidden, TOP_K=top_k, BLOCK=block, num_warps=4)
     return out
