@@ -15,7 +15,8 @@ capability 8.9 and up) torch's scaled matmul — per-channel weights with per-to
 activations (torch._scaled_mm, row-wise), 128 x 128 blocks with 1 x 128 activation groups
 (torch.nn.functional.scaled_mm, block-wise) — each tried once on a small matrix at start and
 replaced by the fallback if torch refuses it on this GPU; everywhere else, and as the fallback,
-the weight dequantized to the activations' dtype and an ordinary matmul.
+the weight dequantized to the activations' dtype and an ordinary matmul. The experts go to the
+fused_moe kernel's fp8 variant where the engine has one (fp8_moe.py), else `fused_moe_fp8`.
 """
 from __future__ import annotations
 
@@ -176,10 +177,11 @@ class Fp8Linear:
 
 def fused_moe_fp8(x, router_logits, w_gate_up: Fp8Weight, w_down: Fp8Weight, top_k: int, renormalize: bool,
                   fused_moe):
-    """The MoE block over FP8 experts. Few tokens (tokens * top_k <= experts, decode): only the
-    routed experts are gathered and dequantized, then multiplied in one batch (no host sync, so a
-    CUDA graph captures it). More: the layer's experts dequantized whole and handed to
-    `fused_moe` (the engine's kernel for the op)."""
+    """The MoE block over FP8 experts, dequantized (where the engine's fused_moe kernel has no fp8
+    variant, or leaves the call to eager's grouped GEMMs: fp8_moe.Fp8MoE). Few tokens (tokens *
+    top_k <= experts, decode): only the routed experts are gathered and dequantized, then
+    multiplied in one batch (no host sync, so a CUDA graph captures it). More: the layer's experts
+    dequantized whole and handed to `fused_moe` (the engine's kernel for the op)."""
     from engine_templates.ops.fused_moe import route
 
     if x.shape[0] * top_k > w_gate_up.shape[0]:
