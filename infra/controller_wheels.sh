@@ -3,8 +3,10 @@
 # running the controller there (`infersmith optimize`, `serve-bench` with local Prefect and MLflow,
 # and AIPerf, the end-to-end stage's load generator) needs.
 # Packages the host already has (its `pip list`, one name a line, in HAVE) are left out.
-# Usage: HAVE=host-packages.txt [PYTHON=python] bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
+# Usage: HAVE=host-packages.txt [PYTHON=python] [AIPERF=0] bash infra/controller_wheels.sh OUT_DIR [PYTHON_VERSION]
 # PYTHON: the controller's python, whose MLflow version the host gets (default: the checkout's .venv).
+# AIPERF=0: without AIPerf and what only it needs (pyarrow, pandas, scipy...), for hosts that run
+# op optimizations, the gauntlet and the engine bench but not the end-to-end stage.
 set -euo pipefail
 out=${1:?usage: controller_wheels.sh OUT_DIR [PYTHON_VERSION]}
 pyver=${2:-3.12}
@@ -26,7 +28,8 @@ else
 fi
 python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --implementation cp \
     "${plats[@]}" -d "$all" "prefect>=3.4,<4" "$mlflow_req" "sqlalchemy>=2" alembic \
-    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "matplotlib>=3.8" "aiperf>=0.13,<0.14"
+    sqlparse "optuna>=4.0" "paramiko>=3.4" "pydantic>=2.7,<3" pyyaml "matplotlib>=3.8" \
+    $([ "${AIPERF:-1}" = 0 ] || echo "aiperf>=0.13,<0.14")
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }
 # Pieces that a local run never imports, left out so that the set fits a 64 MiB carry: cloud
