@@ -180,11 +180,16 @@ def test_completions_planted_on_the_host_before_the_worker_writes_fail_the_gate(
     assert "accuracy: FAILED  answers from 1 replicas, 2 were started" in out or "accuracy: FAILED  0 answers to" in out, out
 
 
-def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(prefect_server, tracking_home):
+def test_a_server_dying_mid_run_is_a_crash_with_its_log_and_the_flow_goes_on(prefect_server, tmp_path, monkeypatch):
     from flows.optimize_engine import optimize_engine
     from targets import Target
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
+
+    # A store of its own: a configuration the session's store already holds for this serving scope
+    # counts as tried, and the flow would skip the one included here.
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
     # The engine itself as the baseline (a command): the flow's baseline is any OpenAI-compatible server.
     target = Target.model_validate({"model": "tiny", "dtype": "fp32", "budget": {"candidates": 2},
