@@ -18,7 +18,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
-from engine_templates.ops import FP8_OPS, OPS, get_op
+from engine_templates.ops import OPS, get_op, ops_for
 from gpu_pool.pool import Pool
 from proposers.describe import SEED
 from targets import Target
@@ -65,7 +65,6 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
 
     server = MCPServer("infersmith", instructions=INSTRUCTIONS)
 
-    ops = FP8_OPS if target.dtype == "fp8" else OPS  # the ops this target's dtype has
 
     def fitting(op: str):
         try:
@@ -83,7 +82,7 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
     def list_ops() -> list[dict[str, Any]]:
         """The ops of this server's target: name, signature, what it computes, whether it fits the model."""
         out = []
-        for op in ops.values():
+        for op in ops_for(target.dtype).values():
             try:
                 fitting(op.name)
                 fits = True

@@ -20,10 +20,15 @@ OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul, _fused_add_rms
 FP8_OPS: dict[str, Op] = {op.name: op for op in (_linear_fp8, _fused_moe_fp8)}
 
 
+def ops_for(dtype: str) -> dict[str, Op]:
+    """The ops a target of `dtype` has: for fp8, the fp8 targets only."""
+    return FP8_OPS if dtype == "fp8" else OPS
+
+
 def get_op(name: str, dtype: str = "bf16") -> Op:
     """The op `name` as a target of `dtype` judges it: for fp8, its fp8 target."""
     try:
-        return FP8_OPS[name] if dtype == "fp8" else OPS[name]
+        return ops_for(dtype)[name]
     except KeyError:
         if dtype == "fp8" and name in OPS:
             raise KeyError(f"{name} has no fp8 target; ops with one: {', '.join(sorted(FP8_OPS))}") from None
