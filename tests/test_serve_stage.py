@@ -17,7 +17,9 @@ import math
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -169,6 +171,21 @@ def test_an_engine_wrong_only_in_company_passes_before_load_and_fails_under_it(p
     assert "verdict: fail  [accuracy] under load on pattern chat-short: prompt" in out and "all_metrics" not in out
 
 
+def test_an_engine_that_replays_its_answers_under_load_fails_on_the_fresh_prompt(prefect_server, tracking_home,
+                                                                                tmp_path):
+    # As above, and it also keeps every completion it gave right and gives it again for the same
+    # request: the prompts asked again under load come back right from its store; the pattern's
+    # fresh held-out prompt (number 6, after the 4 shown and 2 held out) it must answer while crowded.
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps(SERVING))
+    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}} cache"
+    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+    assert code == 1, out
+    before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
+    assert before.startswith("accuracy: ok  6 prompts (2 held out), "), out
+    assert re.match(r"accuracy: FAILED  under load on pattern chat-short: prompt 6 \(held out\), token 0: ", under), out
+
+
 def test_completions_planted_on_the_host_before_the_worker_writes_fail_the_gate(prefect_server, tracking_home,
                                                                                  serving_file, pool_host):
     # The candidate's servers run as the host's user in the session folder: one writes the file the
@@ -251,6 +268,27 @@ def test_the_prompts_sent_under_load_are_the_same_wherever_drawn_and_hold_a_held
         assert got == sample(8, 4, 3, pattern) and len(set(got)) == 3 and any(n >= 4 for n in got)
         assert sample(8, 4, 1, pattern)[0] >= 4
     assert sample(8, 4, 0, "p") == [] and sample(2, 0, 3, "p") == [0, 1]
+    # With a fresh prompt (drawn for the pattern alone): it, last, and k - 1 of those asked before load.
+    for pattern in ("chat-short", "structured", "long-context"):
+        got = sample(8, 4, 3, pattern, fresh=9)
+        assert got == sample(8, 4, 3, pattern, fresh=9) and got[-1] == 9 and len(set(got)) == 3
+        assert all(n < 8 for n in got[:-1])
+    assert sample(8, 4, 1, "p", fresh=9) == [9] and sample(1, 0, 3, "p", fresh=1) == [0, 1]
+
+
+def test_each_patterns_fresh_prompt_is_asked_under_its_load_only():
+    from contract.serve import Pattern
+    from harness.serve.stage import fresh_prompts, prompt_numbers
+
+    rules = AccuracyRules(prompts=("a", "b"), held_out=2, held_out_tokens=4, max_tokens=4, logprob_atol=0.1,
+                          tie_nats=0.1, under_load=3)
+    job = SimpleNamespace(accuracy=rules, patterns=(Pattern("one"), Pattern("two")))
+    assert fresh_prompts(job) == 2
+    assert prompt_numbers(job, 6, None) == [0, 1, 2, 3]  # before load: none of the fresh ones
+    assert prompt_numbers(job, 6, "one")[-1] == 4 and prompt_numbers(job, 6, "two")[-1] == 5
+    assert all(n < 4 for p in ("one", "two") for n in prompt_numbers(job, 6, p)[:-1])
+    off = SimpleNamespace(accuracy=replace(rules, under_load=0), patterns=job.patterns)
+    assert fresh_prompts(off) == 0 and prompt_numbers(off, 4, None) == [0, 1, 2, 3] and prompt_numbers(off, 4, "one") == []
 
 
 def test_overlap_counts_aiperfs_measured_requests_only(tmp_path):

@@ -13,14 +13,15 @@ from contract.serve import AccuracyRules, Completion
 REFERENCE_TOP = 5  # alternatives asked of the reference, to tell a near-tie from a wrong token
 
 
-def prompt_set(model_dir: Path, rules: AccuracyRules, rng: random.Random) -> list[list[int]]:
-    """The shown prompts tokenized, then the held-out ones: random ids from the tokenizer's vocabulary."""
+def prompt_set(model_dir: Path, rules: AccuracyRules, rng: random.Random, fresh: int = 0) -> list[list[int]]:
+    """The shown prompts tokenized, then the held-out ones: random ids from the tokenizer's
+    vocabulary, `fresh` more of them last (each sent under one pattern's load only)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     vocab = min(tok.get_vocab_size(), json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
     shown = [tok.encode(p).ids for p in rules.prompts]
-    held = [[rng.randrange(vocab) for _ in range(rules.held_out_tokens)] for _ in range(rules.held_out)]
+    held = [[rng.randrange(vocab) for _ in range(rules.held_out_tokens)] for _ in range(rules.held_out + fresh)]
     return [p for p in shown if p] + held
 
 

@@ -130,7 +130,7 @@ def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Ref
     if quantized(job.reference_dir):
         raise ServerError(f"the reference checkpoint {job.reference_dir} is quantized (its config.json has a "
                           "quantization_config); name its bf16 original as the reference model directory")
-    prompts = prompt_set(job.model_dir, job.accuracy, rng)
+    prompts = prompt_set(job.model_dir, job.accuracy, rng, fresh_prompts(job))
     envs = job.replica_envs if job.baseline == "reference" else job.replica_envs[:1]  # as many as it is loaded with
     with Replicas("reference", lambda _, port: reference_argv(job, port), envs, out, job.python) as ref:
         ref.start(job.start_timeout_s)
@@ -147,7 +147,8 @@ def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
         server.start(job.start_timeout_s)
         # prompts of the same lengths as the candidate's (the held-out ones drawn afresh): the
         # same extra work under load, never judged
-        return _load_baseline(job, server, out, prompt_set(job.model_dir, job.accuracy, random.Random(0)))
+        return _load_baseline(job, server, out, prompt_set(job.model_dir, job.accuracy, random.Random(0),
+                                                          fresh_prompts(job)))
 
 
 def _load_baseline(job: ServeJob, server: Replicas, out: Path, prompts: list[list[int]]) -> dict[str, aiperf.PatternRun]:
@@ -167,12 +168,20 @@ def _load_baseline(job: ServeJob, server: Replicas, out: Path, prompts: list[lis
     return runs
 
 
+def fresh_prompts(job: ServeJob) -> int:
+    """How many prompts of the set are sent under load only, one per pattern (the last ones)."""
+    return len(job.patterns) if job.accuracy.under_load else 0
+
+
 def prompt_numbers(job: ServeJob, prompts: int, pattern: str | None) -> list[int]:
-    """The numbers of the prompts answered before load (pattern None: all of them), or under a
-    pattern's load: what each judgement compares, on this side or on the controller."""
+    """The numbers of the prompts answered before load (pattern None: all but the fresh ones), or
+    under a pattern's load (its fresh one among them): what each judgement compares, on this side
+    or on the controller."""
+    before = prompts - fresh_prompts(job)
     if pattern is None:
-        return list(range(prompts))
-    return under_load.sample(prompts, job.accuracy.held_out, job.accuracy.under_load, pattern)
+        return list(range(before))
+    fresh = before + [p.name for p in job.patterns].index(pattern) if fresh_prompts(job) else None
+    return under_load.sample(before, job.accuracy.held_out, job.accuracy.under_load, pattern, fresh)
 
 
 def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, int], list[str]],
@@ -264,8 +273,10 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
     """Every replica answers every prompt, straight (not through the balancer, which would spread
     them), all at once; the reference judges them all: a replica that is wrong fails the gate
     like a lone server."""
+    numbers = prompt_numbers(job, len(reference.prompts), None)
+
     def answers(replica: ServerProcess) -> list[Completion]:
-        return [complete(replica.url, SERVED_NAME, p, job.accuracy.max_tokens, 0) for p in reference.prompts]
+        return [complete(replica.url, SERVED_NAME, reference.prompts[n], job.accuracy.max_tokens, 0) for n in numbers]
 
     with ThreadPoolExecutor(len(server.servers)) as pool:
         pending = [pool.submit(answers, replica) for replica in server.servers]
@@ -282,7 +293,7 @@ def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Ser
                 result.verdict.gate("accuracy", False, f"{f'replica {k}: ' if several else ''}no usable greedy "
                                                        f"completion with logprobs: {type(e).__name__}: {e}")
             return
-    passed, detail, metrics = judge_with(None, prompt_numbers(job, len(reference.prompts), None), got)
+    passed, detail, metrics = judge_with(None, numbers, got)
     result.metrics.update(metrics)
     result.verdict.gate("accuracy", passed, detail)
 

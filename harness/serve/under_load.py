@@ -3,6 +3,9 @@ few of the accuracy prompts (a held-out one among them) go to the URL AIPerf loa
 engine that is right alone but wrong when it batches requests together is caught. They are sent
 once AIPerf's measured phase has begun (its log says so), a moment later, all at once; afterwards
 AIPerf's own record of every measured request says whether each of them really overlapped one.
+One of them is fresh: a held-out prompt drawn for that pattern alone, which the server has never
+been asked before, so that a server that keeps its answers and gives them again cannot pass on
+answers it gave alone.
 
 Why not judge AIPerf's own requests: the reference answers before the candidate starts, alone on
 its GPU, and AIPerf draws its prompts only while it loads the candidate, so the reference has no
@@ -28,14 +31,19 @@ POLL_S = 0.02
 READ_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)  # a reply that is not what was asked
 
 
-def sample(prompts: int, held_out: int, k: int, pattern: str) -> list[int]:
-    """The numbers of the k prompts (of `prompts`, the last `held_out` of them held out) sent under
-    `pattern`'s load, a held-out one among them when there is one. The same wherever it is drawn:
-    a pool host's controller judges what the host sent without taking its word for which."""
+def sample(prompts: int, held_out: int, k: int, pattern: str, fresh: int | None = None) -> list[int]:
+    """The numbers of the k prompts sent under `pattern`'s load: with `fresh` (the number of a
+    prompt drawn for this pattern alone), it and k - 1 of the first `prompts`, those answered
+    before load; without, k of those, a held-out one (of the last `held_out`) among them when
+    there is one. The same wherever it is drawn: a pool host's controller judges what the host
+    sent without taking its word for which."""
+    rng = random.Random(pattern)
+    if fresh is not None:
+        k = min(k, prompts + 1)
+        return sorted(rng.sample(range(prompts), k - 1)) + [fresh] if k else []
     k = min(k, prompts)
     if k == 0:
         return []
-    rng = random.Random(pattern)
     first = [rng.randrange(prompts - held_out, prompts)] if held_out else []
     rest = [n for n in range(prompts) if n not in first]
     return sorted(first + rng.sample(rest, k - len(first)))

@@ -4,7 +4,10 @@ shared the server with another request at any moment comes back with every greed
 higher. The accuracy prompts asked one at a time before any load are answered right; those asked
 while AIPerf loads it are not. Streams are relayed line by line, each event a little late, so
 that a short AIPerf load lasts long enough to be shared.
-Usage: python batching_bug_server.py PORT MODEL_DIR NAME"""
+With `cache`, it also remembers each whole completion it answered right and gives it again for the
+same request, crowded or not: only a prompt it has not answered before can show its fault.
+Usage: python batching_bug_server.py PORT MODEL_DIR NAME [cache]"""
+import json
 import asyncio
 import socket
 import subprocess
@@ -18,6 +21,7 @@ HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "content-enco
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 port, model_dir, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+CACHE: dict[str, dict] | None = {} if sys.argv[4:] == ["cache"] else None
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     engine_port = s.getsockname()[1]
@@ -47,6 +51,9 @@ async def models(request):
 
 async def relay(request):
     body = await request.json()
+    key = json.dumps(body, sort_keys=True)
+    if CACHE is not None and key in CACHE:
+        return web.json_response(CACHE[key])
     me = enter()
     try:
         async with request.app[SESSION].post(ENGINE + request.path, json=body) as r:
@@ -65,6 +72,8 @@ async def relay(request):
             for choice in reply.get("choices", []):
                 lp = choice.get("logprobs") or {}
                 lp["tokens"] = [f"token_id:{int(t.split(':', 1)[1]) + 1}" for t in lp.get("tokens", [])]
+        elif CACHE is not None and r.status == 200:
+            CACHE[key] = reply
         return web.json_response(reply, status=r.status)
     finally:
         active.discard(me)
