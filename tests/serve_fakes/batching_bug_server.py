@@ -7,8 +7,8 @@ that a short AIPerf load lasts long enough to be shared.
 With `cache`, it also remembers each whole completion it answered right and gives it again for the
 same request, crowded or not: only a prompt it has not answered before can show its fault.
 Usage: python batching_bug_server.py PORT MODEL_DIR NAME [cache]"""
-import json
 import asyncio
+import json
 import socket
 import subprocess
 import sys
