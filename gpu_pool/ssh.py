@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import paramiko
 
@@ -26,8 +27,10 @@ from gpu_pool.bundle import Bundle, current_bundle
 from gpu_pool.health import HostFault, HostUnreachable
 from gpu_pool.local import StageRun, verdict_from
 from gpu_pool.pool import Host, Slot
-from object_store import ObjectStoreError
-from object_store.s3 import S3Store
+from object_store import ObjectStoreError, store_from_env
+
+if TYPE_CHECKING:
+    from object_store.s3 import S3Store
 
 # The host kills the stage itself this long after the controller's limit, in case the
 # controller died and could not.
@@ -152,7 +155,7 @@ def ensure_bundle(client: paramiko.SSHClient, host: Host, workdir: str) -> tuple
     target = f"{workdir}/bundles/{bundle.digest}"
     if run_command(client, host, f"test -d {shlex.quote(target)}")[0] == 0:
         return target, False
-    store = S3Store.from_env()
+    store = store_from_env()
     on_s3 = _uploaded(store, bundle) if store is not None else None
     nonce = uuid.uuid4().hex[:8]
     tmp_tar, tmp_dir = f"{workdir}/bundles/.{bundle.digest}-{nonce}.tgz", f"{workdir}/bundles/.{bundle.digest}-{nonce}"

@@ -6,7 +6,12 @@ the standard library only, so that the CLI can name the error before it loads bo
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from object_store.s3 import S3Store
 
 S3_URI_VAR = "INFERSMITH_S3_URI"
 
@@ -32,3 +37,13 @@ class S3Location:
 
     def uri(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{self.key(name)}" if name else f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def store_from_env() -> S3Store | None:
+    """The store INFERSMITH_S3_URI names, or None when it is unset: then boto3 is not even imported
+    (a second or so of every command's start, and a host that never uploads need not have it)."""
+    if not os.environ.get(S3_URI_VAR):
+        return None
+    from object_store.s3 import S3Store
+
+    return S3Store.from_env()

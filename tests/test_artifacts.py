@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -45,6 +47,16 @@ def test_without_a_bucket_nothing_is_archived(monkeypatch, tmp_path):
     monkeypatch.delenv("INFERSMITH_S3_URI", raising=False)
     assert Results("infersmith-rmsnorm").publish("run1", {"a.json": {}}) is None
     assert not (tmp_path / "home").exists()
+
+
+def test_without_a_bucket_the_op_loop_and_the_pool_do_not_load_boto3():
+    # A host that never uploads need not have boto3, and no command's start pays its import.
+    code = ("import os, sys; os.environ.pop('INFERSMITH_S3_URI', None); "
+            "import flows.optimize_op, flows.optimize_engine, gpu_pool.ssh, tracking.artifacts; "
+            "from object_store import store_from_env; assert store_from_env() is None; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
 def test_an_unreachable_store_fails_before_anything_runs_and_names_no_secret(s3_env):

@@ -17,8 +17,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from object_store import ObjectStoreError
-from object_store.s3 import S3Store
+from object_store import ObjectStoreError, store_from_env
 
 
 def _home() -> Path:
@@ -30,7 +29,7 @@ class Results:
 
     def __init__(self, experiment: str):
         self.experiment = experiment
-        self.store = S3Store.from_env()
+        self.store = store_from_env()
         if self.store is not None:
             self.store.check()
 
