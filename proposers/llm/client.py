@@ -2,15 +2,14 @@
 
 Retries are the SDK's own: `max_retries` with exponential backoff (and the server's Retry-After)
 on connection errors, timeouts, 408, 409, 429 and 5xx. What is still failing after them is
-`EndpointDown`, one line that never holds the key.
+`EndpointDown`, one line that never holds the key. The SDKs are imported on the first request:
+an optimization with another proposer (and every command's start) does without them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import anthropic
 import httpx
-import openai
 
 from proposers.llm.settings import LLMSettings, Price, SettingsError
 
@@ -56,6 +55,9 @@ def endpoint(settings: LLMSettings) -> str:
 def ask(settings: LLMSettings, system: str, cached: str, fresh: str) -> Reply:
     """The model's reply to `system` and a user message of two parts: `cached`, the same on every
     request of an optimization (the provider may serve it from its prompt cache), then `fresh`."""
+    import anthropic
+    import openai
+
     key = settings.api_key()
     try:
         if settings.provider == "anthropic":
@@ -86,6 +88,8 @@ def _sampling(settings: LLMSettings) -> dict:
 
 
 def _openai(settings: LLMSettings, key: str, system: str, user: str) -> Reply:
+    import openai
+
     client = openai.OpenAI(api_key=key, base_url=settings.base_url, max_retries=settings.max_retries,
                            timeout=settings.timeout_s)
     r = client.chat.completions.create(
@@ -100,6 +104,8 @@ def _openai(settings: LLMSettings, key: str, system: str, user: str) -> Reply:
 
 
 def _anthropic(settings: LLMSettings, key: str, system: str, cached: str, fresh: str) -> Reply:
+    import anthropic
+
     client = anthropic.Anthropic(api_key=key, base_url=settings.base_url, max_retries=settings.max_retries,
                                  timeout=settings.timeout_s)
     content = [{"type": "text", "text": cached, "cache_control": {"type": "ephemeral"}}]
