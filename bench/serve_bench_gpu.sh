@@ -7,12 +7,14 @@
 #   OUT=dir [MODELS="qwen3-8b"] [SERVING=bench/serving-h200-short.yaml]
 #   [KERNELS=engine_templates/engine/bench/templates.json] [CKPT_ROOT=/dev/shm]
 #   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] [DTYPE=bf16|fp8]
-#   [SPEC_TOKENS=n] bash bench/serve_bench_gpu.sh
+#   [SPEC_TOKENS=n] [BASELINE=eager|reference|command] bash bench/serve_bench_gpu.sh
 # SERVING= (empty) uses the preset's own traffic; KERNELS= (empty) serves every op eager (the
 # default file takes each op's Triton template default); DEVICE is where the random weights are drawn.
 # DTYPE=fp8: the engine quantizes the bf16 checkpoint to FP8 at load and is judged against the bf16
 # reference (use SERVING=bench/serving-h200-fp8.yaml: the FP8 thresholds); SPEC_TOKENS: the engine
-# with speculative decoding of that many draft tokens. Results go to serve-<model>[-fp8][-specN].*
+# with speculative decoding of that many draft tokens. BASELINE=eager: against this engine with every
+# op eager (same dtype, FP8 weights too), what the kernels gain; results then go to
+# serve-<model>[-fp8][-specN]-vs-eager.*; otherwise to serve-<model>[-fp8][-specN].*
 # CKPT_ROOT defaults to /dev/shm: qwen3-8b is 16 GB, qwen3-30b-a3b 61 GB, more than a small disk
 # holds beside the OS. Leaves serve-<model>.txt (the table and gates), serve-<model>.log and the
 # tracking store (home.tgz: MLflow SQLite with AIPerf's exports as artifacts).
@@ -31,9 +33,15 @@ for model in ${MODELS:-qwen3-8b}; do
             2>&1 | tee -a "$out/serve.log" || exit 1
     fi
     name=$model${DTYPE:+-$DTYPE}${SPEC_TOKENS:+-spec$SPEC_TOKENS}
+    baseline=${BASELINE:-}
+    if [ "$baseline" = eager ]; then
+        name=$name-vs-eager
+        baseline="python3 -m engine_templates.engine serve --model-dir {model_dir} --port {port} --served-model-name {name}"
+        baseline+=" --dtype bf16 --max-model-len ${MAX_MODEL_LEN:-4096}$([ "${DTYPE:-bf16}" = fp8 ] && echo ' --quantization fp8')"
+    fi
     echo "== serve-bench $name" | tee -a "$out/serve.log"
     python3 -m cli serve-bench --model-dir "$dir" --model "$model" --dtype "${DTYPE:-bf16}" \
-        ${SPEC_TOKENS:+--spec-tokens "$SPEC_TOKENS"} \
+        ${SPEC_TOKENS:+--spec-tokens "$SPEC_TOKENS"} ${baseline:+--baseline "$baseline"} \
         ${serving:+--serving "$serving"} --stage-timeout "${STAGE_TIMEOUT:-600}" \
         ${kernels:+--kernels "$kernels"} > "$out/serve-$name.txt" 2> "$out/serve-$name.log"
     echo "exit $?" | tee -a "$out/serve.log"
