@@ -3,7 +3,10 @@
 # the carried controller wheels (infra/controller_wheels.sh), then runs bench/candidate_cost.py —
 # a TPE search of each budget in BUDGETS — and appends its markdown breakdown to $OUT/cost.md.
 # Usage (repo root, wheels in .whl/):
-#   OUT=dir [OP=rmsnorm] [MODEL=qwen3-8b] [BUDGETS="24 100"] [ARCHIVE=file.tgz] bash bench/candidate_cost.sh
+#   OUT=dir [OP=rmsnorm] [MODEL=qwen3-8b] [BUDGETS="24 100"] [ARCHIVE=file.tgz] [EXTRA="--wall-clock 270"] \
+#   bash bench/candidate_cost.sh
+# EXTRA: more `infersmith optimize` options; --wall-clock S stops proposing when another candidate
+# would end after S seconds (under a time limit per command, the breakdown then still prints).
 # Each budget is a flow of its own; the later ones' proposer sees the earlier ones' trials.
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
@@ -15,6 +18,6 @@ for budget in ${BUDGETS:-24 100}; do
     echo "## ${OP:-rmsnorm} ${MODEL:-qwen3-8b}, TPE, budget $budget ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))" \
         | tee -a "$out/cost.md"
     python3 bench/candidate_cost.py --op "${OP:-rmsnorm}" --model "${MODEL:-qwen3-8b}" --budget "$budget" \
-        2>> "$out/cost.log" | tee -a "$out/cost.md"
+        ${EXTRA:+-- $EXTRA} 2>> "$out/cost.log" | tee -a "$out/cost.md"
     pack_home
 done
