@@ -180,10 +180,10 @@ def open_store() -> None:
     """Open the tracking store, and reach the S3 bucket when one is configured, before a flow starts:
     a store this MLflow cannot open or a bucket out of reach is then one line (TrackingStoreError,
     ObjectStoreError, in main) rather than a traceback that Prefect logs from the flow."""
-    from object_store.s3 import S3Store
+    from object_store import store_from_env
     from tracking.store import TrackingConfig, client
 
     client(TrackingConfig.from_env())
-    store = S3Store.from_env()
+    store = store_from_env()
     if store is not None:
         store.check()

@@ -49,14 +49,17 @@ def test_without_a_bucket_nothing_is_archived(monkeypatch, tmp_path):
     assert not (tmp_path / "home").exists()
 
 
-def test_without_a_bucket_the_op_loop_and_the_pool_do_not_load_boto3():
-    # A host that never uploads need not have boto3, and no command's start pays its import.
-    code = ("import os, sys; os.environ.pop('INFERSMITH_S3_URI', None); "
-            "import flows.optimize_op, flows.optimize_engine, gpu_pool.ssh, tracking.artifacts; "
+def test_without_a_bucket_the_op_loop_and_the_pool_do_not_load_boto3_nor_the_llm_sdks(tmp_path):
+    # A GPU host that runs op optimizations without uploading need not have boto3 (nor, with
+    # another proposer, the LLM providers' SDKs), and no command's start pays their imports.
+    code = (f"import os, sys; os.environ.pop('INFERSMITH_S3_URI', None); os.environ['INFERSMITH_HOME'] = "
+            f"{str(tmp_path / 'home')!r}; os.environ.pop('MLFLOW_TRACKING_URI', None); "
+            "import flows.optimize_op, flows.optimize_engine, gpu_pool.ssh, tracking.artifacts, cli.op; "
+            "from cli.args import open_store; open_store(); "
             "from object_store import store_from_env; assert store_from_env() is None; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'boto3', 'botocore', 'anthropic', 'openai'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
 
 
 def test_an_unreachable_store_fails_before_anything_runs_and_names_no_secret(s3_env):
