@@ -7,14 +7,15 @@
 #   OUT=dir [MODELS="qwen3-8b"] [SERVING=bench/serving-h200-short.yaml]
 #   [KERNELS=engine_templates/engine/bench/templates.json] [CKPT_ROOT=/dev/shm]
 #   [STAGE_TIMEOUT=s] [RESTORE=home.tgz] [ARCHIVE=file.tgz] [DEVICE=cuda] [DTYPE=bf16|fp8]
-#   [SPEC_TOKENS=n] [BASELINE=eager|reference|command] bash bench/serve_bench_gpu.sh
+#   [SPEC_TOKENS=n] [BASELINE=eager|reference|command] [MAX_MODEL_LEN=4096] bash bench/serve_bench_gpu.sh
 # SERVING= (empty) uses the preset's own traffic; KERNELS= (empty) serves every op eager (the
 # default file takes each op's Triton template default); DEVICE is where the random weights are drawn.
 # DTYPE=fp8: the engine quantizes the bf16 checkpoint to FP8 at load and is judged against the bf16
 # reference (use SERVING=bench/serving-h200-fp8.yaml: the FP8 thresholds); SPEC_TOKENS: the engine
 # with speculative decoding of that many draft tokens. BASELINE=eager: against this engine with every
-# op eager (same dtype, FP8 weights too), what the kernels gain; results then go to
-# serve-<model>[-fp8][-specN]-vs-eager.*; otherwise to serve-<model>[-fp8][-specN].*
+# op eager and its default settings (same dtype, FP8 weights too, no speculative decoding), what the
+# kernels and SPEC_TOKENS gain; its context length is MAX_MODEL_LEN (default 4096, the serving
+# settings' default max_model_len). Results go to serve-<model>[-fp8][-specN][-vs-eager].*
 # CKPT_ROOT defaults to /dev/shm: qwen3-8b is 16 GB, qwen3-30b-a3b 61 GB, more than a small disk
 # holds beside the OS. Leaves serve-<model>.txt (the table and gates), serve-<model>.log and the
 # tracking store (home.tgz: MLflow SQLite with AIPerf's exports as artifacts).

@@ -41,7 +41,7 @@ class AccuracyRules:
     max_tokens: int  # greedy tokens compared per prompt
     logprob_atol: float  # nats, on every token where candidate and reference agree
     tie_nats: float  # a different greedy token is allowed only where the reference's top two are this close
-    under_load: int = 0  # of these prompts, sent again during each pattern's load and judged alike; 0: none
+    under_load: int = 0  # prompts sent during each pattern's load (a fresh one among them), judged alike; 0: none
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,16 @@ from gpu_pool.ssh import REMOTE_GRACE_S, connect, ensure_bundle, run_command, wo
 from harness.serve import under_load
 from harness.serve.remote import MARKER_VAR, completion_from_dict, exchange_names, job_to_dict, runs_from_dict
 from harness.serve.server import BALANCER_START_S
-from harness.serve.stage import prompt_numbers, reference_judge
+from harness.serve.stage import fresh_prompts, prompt_numbers, reference_judge
 
 POLL_S = 0.2
 ACCURACY_S = 600.0  # the accuracy prompts of one server, within a session's limit
 STOP_S = 60.0  # stopping one server or balancer (SIGTERM, then SIGKILL after 30 s), and the session's own start
 log = logging.getLogger("infersmith.pool")
 # (None before load, else the pattern; the completions as the host's file holds them): whether to go on
-Decide = Callable[[str | None, bytes], bool]
+# (the handshake's pattern, the completions' bytes) -> (whether to go on, the prompts the host may now
+# send: their numbers and token ids)
+Decide = Callable[[str | None, bytes], tuple[bool, dict[int, list[int]]]]
 
 
 class ServeSetupError(Exception):
@@ -82,7 +84,21 @@ class SSHServe:
         judged: dict[str | None, tuple[bool, str, dict]] = {}
         judge = reference_judge(reference, job.accuracy)
 
-        def decide(pattern: str | None, raw: bytes) -> bool:
+        rounds = [None] + ([p.name for p in job.patterns] if job.accuracy.under_load else [])
+        before = len(reference.prompts) - fresh_prompts(job)
+
+        def decide(pattern: str | None, raw: bytes) -> tuple[bool, dict[int, list[int]]]:
+            """Whether to go on, and with it the next pattern's fresh prompt: the host holds none
+            before the round it is asked in (the candidate's servers could read it there)."""
+            if not judged_ok(pattern, raw):
+                return False, {}
+            following = rounds.index(pattern) + 1
+            if following == len(rounds) or not fresh_prompts(job):
+                return True, {}
+            n = before + following - 1  # the fresh prompts follow the others, one per pattern in order
+            return True, {n: reference.prompts[n]}
+
+        def judged_ok(pattern: str | None, raw: bytes) -> bool:
             """The completions, every replica's before load (pattern None) or the balancer's under a
             pattern's load, judged here against the answers only this side holds, on the prompts
             this side knows were asked. Anything on the host may have written the file (the
@@ -104,9 +120,9 @@ class SSHServe:
 
         sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}
         t0 = time.monotonic()
-        rounds = [None] + ([p.name for p in job.patterns] if job.accuracy.under_load else [])
+        shown = reference.prompts[:before] + [None] * (len(reference.prompts) - before)  # the fresh: later
         result, _ = self._session("candidate", job, out, {"candidate": cand.to_dict(), "command": command,
-                                                          "prompts": reference.prompts, "sources": sources},
+                                                          "prompts": shown, "sources": sources},
                                   (decide, rounds))
         if "verdict" not in result:
             _raise_error(result, self.slot.host, self.label, "candidate", verdict_instead=True)
@@ -222,7 +238,8 @@ def _answer(sftp: paramiko.SFTPClient, run_dir: str, pattern: str | None, decide
             raw = f.read()
     except FileNotFoundError:
         return False
-    body = json.dumps({"load": decide(pattern, raw)}).encode()
+    go_on, prompts = decide(pattern, raw)
+    body = json.dumps({"load": go_on, "prompts": {str(n): ids for n, ids in prompts.items()}}).encode()
     sftp.putfo(io.BytesIO(body), f"{run_dir}/exchange/.decision.tmp")
     sftp.posix_rename(f"{run_dir}/exchange/.decision.tmp", f"{run_dir}/exchange/{decision}")
     return True

@@ -167,8 +167,9 @@ class Accuracy(BaseModel):
     logprob_atol: PositiveFloat | None = Field(None, description="nats; default per dtype")
     tie_nats: PositiveFloat | None = Field(None, description="a different greedy token passes only where the "
                                                                "reference's two candidates are this close; default logprob_atol")
-    under_load: NonNegativeInt = Field(3, description="of these prompts (a held-out one among them), sent again "
-                                       "during each traffic pattern's load and judged alike; 0: none")
+    under_load: NonNegativeInt = Field(3, description="accuracy prompts sent during each traffic pattern's load "
+                                       "and judged alike: a fresh held-out one drawn for the pattern, the others of "
+                                       "those asked before load; 0: none")
 
 
 class Serving(BaseModel):

@@ -171,15 +171,20 @@ def test_an_engine_wrong_only_in_company_passes_before_load_and_fails_under_it(p
     assert "verdict: fail  [accuracy] under load on pattern chat-short: prompt" in out and "all_metrics" not in out
 
 
+@pytest.mark.parametrize("where", ["this machine", "pool host"])
 def test_an_engine_that_replays_its_answers_under_load_fails_on_the_fresh_prompt(prefect_server, tracking_home,
-                                                                                tmp_path):
+                                                                                tmp_path, request, where):
     # As above, and it also keeps every completion it gave right and gives it again for the same
     # request: the prompts asked again under load come back right from its store; the pattern's
-    # fresh held-out prompt (number 6, after the 4 shown and 2 held out) it must answer while crowded.
+    # fresh held-out prompt (number 6, after the 4 shown and 2 held out) it must answer while
+    # crowded. On the pool host it also answers, alone and first, every prompt the session's file
+    # holds: the fresh one is not there before its pattern.
+    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
+    mode = "peek" if pool else "cache"
     serving = tmp_path / "serving.json"
     serving.write_text(json.dumps(SERVING))
-    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}} cache"
-    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'")
+    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}} {mode}"
+    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'", *pool)
     assert code == 1, out
     before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
     assert before.startswith("accuracy: ok  6 prompts (2 held out), "), out

@@ -20,7 +20,11 @@ Trust: a candidate server runs here as the same user, so nothing it could read m
 expected answers. The reference's answers leave with the controller before any candidate starts;
 a candidate session gets the prompts only (the held-out ones are unavoidably sent) and hands its
 completions to the controller, which judges them and answers only whether to go on (to the load,
-to the next pattern).
+to the next pattern). Each pattern's fresh prompt (harness/serve/under_load.py) comes with the
+answer that lets the session go on to that pattern, not before: until then no file here holds it,
+and the session removes that answer as soon as it has read it (within a poll of 0.1 s). A server
+that watched the exchange folder that closely, or read this process's memory, could still see it
+first: the same user shares what it can read.
 """
 from __future__ import annotations
 
@@ -115,8 +119,8 @@ class ControllerJudged(Reference):
     holds the reference's answers and judges them, and which knows for itself which prompts they
     answer (harness/serve/under_load.sample); its reply says only whether to go on."""
 
-    def __init__(self, prompts: list[list[int]], exchange: Path):
-        super().__init__(prompts, [])
+    def __init__(self, prompts: list[list[int] | None], exchange: Path):
+        super().__init__(prompts, [])  # None for a fresh prompt the controller has not sent yet
         self.exchange = exchange
         exchange.mkdir(parents=True, exist_ok=True)
 
@@ -129,8 +133,12 @@ class ControllerJudged(Reference):
             if time.monotonic() > deadline:
                 return False, f"the controller sent no accuracy decision within {DECISION_WAIT_S:g} s", {}
             time.sleep(0.1)
+        decided = json.loads(decision.read_text())
+        decision.unlink()  # gone within a poll of being written: a fresh prompt in it lies here no longer
+        for n, ids in decided.get("prompts", {}).items():  # the next pattern's fresh prompt
+            self.prompts[int(n)] = ids
         # the gate's detail and metrics are the controller's: it replaces this one with its own
-        return bool(json.loads(decision.read_text())["load"]), "judged on the controller", {}
+        return bool(decided["load"]), "judged on the controller", {}
 
 
 def reference_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> dict:

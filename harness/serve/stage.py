@@ -3,8 +3,8 @@ transformers reference server), then the candidate server — accuracy before an
 AIPerf on every pattern — and the baseline under the same load only for a candidate worth
 comparing. Each server runs alone on its slots, so no two share a GPU; a target asking for
 several replicas gets that many copies of the candidate (and of the baseline), each on its own
-GPU, behind one load balancer, and every replica answers the accuracy prompts; a few of them go
-again to the URL AIPerf loads while it loads it (harness/serve/under_load.py), on every pattern."""
+GPU, behind one load balancer, and every replica answers the accuracy prompts; a few of them, and
+a fresh one each pattern, go to the URL AIPerf loads while it loads it (harness/serve/under_load.py)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -270,8 +270,8 @@ def serve(job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
 
 
 def _accuracy(server: Replicas, job: ServeJob, reference: Reference, result: Served, judge_with: Judge) -> None:
-    """Every replica answers every prompt, straight (not through the balancer, which would spread
-    them), all at once; the reference judges them all: a replica that is wrong fails the gate
+    """Every replica answers every prompt but the fresh ones (kept for the load), straight (not
+    through the balancer, which would spread them), all at once; the reference judges them all: a replica that is wrong fails the gate
     like a lone server."""
     numbers = prompt_numbers(job, len(reference.prompts), None)
 

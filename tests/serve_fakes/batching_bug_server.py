@@ -6,12 +6,16 @@ while AIPerf loads it are not. Streams are relayed line by line, each event a li
 that a short AIPerf load lasts long enough to be shared.
 With `cache`, it also remembers each whole completion it answered right and gives it again for the
 same request, crowded or not: only a prompt it has not answered before can show its fault.
-Usage: python batching_bug_server.py PORT MODEL_DIR NAME [cache]"""
+With `peek`, it caches too, and first, alone, answers every prompt it finds in a pool host's
+session file (job.json in its working directory) as the accuracy check asks them: a fresh prompt
+it found there would pass under load.
+Usage: python batching_bug_server.py PORT MODEL_DIR NAME [cache|peek]"""
 import asyncio
 import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -21,7 +25,8 @@ HOP_BY_HOP = {"content-length", "transfer-encoding", "connection", "content-enco
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 port, model_dir, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-CACHE: dict[str, dict] | None = {} if sys.argv[4:] == ["cache"] else None
+MODE = sys.argv[4] if len(sys.argv) > 4 else ""
+CACHE: dict[str, dict] | None = {} if MODE in ("cache", "peek") else None
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     engine_port = s.getsockname()[1]
@@ -80,8 +85,34 @@ async def relay(request):
         crowded.discard(me)
 
 
+async def peek(client: aiohttp.ClientSession) -> None:
+    """Every prompt of the session file answered alone, before this server listens, into the cache."""
+    try:
+        spec = json.loads(Path("job.json").read_text())
+    except (OSError, ValueError):
+        return
+    max_tokens = spec["job"]["accuracy"]["max_tokens"]
+    while True:  # the engine behind is up when it lists its model
+        try:
+            async with client.get(ENGINE + "/v1/models") as r:
+                if r.status == 200:
+                    break
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    for prompt in spec.get("prompts", []):
+        if prompt is None:
+            continue
+        body = {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        async with client.post(ENGINE + "/v1/completions", json=body) as r:
+            CACHE[json.dumps(body, sort_keys=True)] = await r.json()
+
+
 async def session(app):
     app[SESSION] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+    if MODE == "peek":
+        await peek(app[SESSION])
     yield
     await app[SESSION].close()
     engine.terminate()
