@@ -141,6 +141,14 @@ def shapes_fit(op, target) -> None:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
 
 
+# Set while no thread is importing Prefect's server models. MLflow's SQL store configures every
+# SQLAlchemy mapper of the process when it opens, and a mapper of Prefect's models half-imported in
+# prefect_early's thread then fails ("expression 'FlowRun' failed to locate a name"): open_store
+# waits for this first.
+_PREFECT_MODELS_WHOLE = threading.Event()
+_PREFECT_MODELS_WHOLE.set()
+
+
 def prefect_early() -> Callable[[], None]:
     """Start Prefect's ephemeral API server now, in the background, when the flow will run on one:
     its process starts while this one imports the flows and opens the tracking store, rather than
@@ -153,18 +161,26 @@ def prefect_early() -> Callable[[], None]:
     logging.getLogger("prefect").addFilter(lambda r: "temporary server" not in str(r.msg))
 
     def start() -> None:
-        from prefect.settings import get_current_settings
+        try:
+            from prefect.settings import get_current_settings
 
-        settings = get_current_settings()
-        if settings.api.url or not settings.server.ephemeral.enabled:
+            settings = get_current_settings()
+            if settings.api.url or not settings.server.ephemeral.enabled:
+                return
+            import prefect.server.database.orm_models  # noqa: F401
+        except Exception as e:  # raised again by the wait, in the command's thread
+            failed.append(e)
             return
+        finally:
+            _PREFECT_MODELS_WHOLE.set()
         from prefect.server.api.server import SubprocessASGIServer
 
         try:
             SubprocessASGIServer().start()  # the instance the flow's client finds, already running
-        except Exception as e:  # raised again by the wait, in the command's thread
+        except Exception as e:
             failed.append(e)
 
+    _PREFECT_MODELS_WHOLE.clear()
     thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
     thread.start()
 
@@ -183,6 +199,7 @@ def open_store() -> None:
     from object_store import store_from_env
     from tracking.store import TrackingConfig, client
 
+    _PREFECT_MODELS_WHOLE.wait()
     client(TrackingConfig.from_env())
     store = store_from_env()
     if store is not None:
