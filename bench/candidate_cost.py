@@ -5,6 +5,10 @@ intervals).
 
     python3 bench/candidate_cost.py --op rmsnorm --model qwen3-8b --budget 24
     python3 bench/candidate_cost.py --op rmsnorm --model tiny --evaluate gauntlet/rmsnorm/honest_torch.py
+    python3 bench/candidate_cost.py --op rmsnorm --report   # the latest optimization in the store, run nothing
+
+--report reads a store a run left (a home.tgz unpacked into INFERSMITH_HOME) when the command was
+cut short before it printed: its times then count from the flow's start, not the command's.
 
 Run from the repository root, with the environment `bench/gpu_env.sh` sets on a GPU host. The
 plateau stop is set to the budget, so that every candidate asked for runs. On a checkout from
@@ -96,8 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=24)
     p.add_argument("--proposer", default="tpe")
     p.add_argument("--evaluate", metavar="FILE", help="one `infersmith evaluate` of this candidate file instead")
+    p.add_argument("--report", action="store_true", help="run nothing: the breakdown of the op's latest "
+                   "optimization in the tracking store, times from the flow's start")
     p.add_argument("extra", nargs="*", help="more options for the command, after --")
     args = p.parse_args(argv)
+    if args.report:
+        parent, children = runs_since(0.0, args.op)
+        held_ends = [e for c in children for _, _, e in json.loads(c.data.tags.get("infersmith.held", "[]"))]
+        t_end = (parent.info.end_time or 0) / 1000 or max(held_ends, default=parent.info.start_time / 1000)
+        print(f"\ntracking run {parent.info.run_id} ({parent.info.status}); times from the flow's start, "
+              f"not the command's\n")
+        print(breakdown(children, parent.info.start_time / 1000, t_end))
+        return 0
     if args.evaluate:
         command = ["evaluate", "--op", args.op, "--model", args.model, "--candidate", args.evaluate, *args.extra]
     else:

@@ -12,7 +12,11 @@ set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
 mkdir -p "$out"
 source "$(dirname "$0")/gpu_env.sh"
-trap pack_home EXIT  # also when a time limit interrupts the run: what finished comes back
+# Also every 30 s meanwhile: a time limit that kills this script (no EXIT trap then) still leaves
+# a store at most 30 s old, whose breakdown `candidate_cost.py --report` prints.
+(while sleep 30; do [ -d "$INFERSMITH_HOME" ] && pack_home; done) &
+packer=$!
+trap 'kill $packer 2>/dev/null; pack_home' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/cost.md"
 for budget in ${BUDGETS:-24 100}; do
     echo "## ${OP:-rmsnorm} ${MODEL:-qwen3-8b}, TPE, budget $budget ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))" \
