@@ -9,7 +9,9 @@ Prefect's test server run no services, so there a killed process's GPU stays hel
 """
 from __future__ import annotations
 
+import logging
 import time
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator
 
@@ -23,6 +25,26 @@ from gpu_pool.pool import Pool, Slot
 
 LEASE_S = 60.0  # a dead holder's GPU is freed this long (plus a repossessor pass) after it died
 WAIT_POLL_S = 0.2  # a candidate queued behind a running one starts this soon after its lease is let go
+ACQUIRING_SERVICE = "ConcurrencySlotAcquisitionWithLeaseService"
+
+
+def refused_try_unlogged(record: logging.LogRecord) -> bool:
+    """A filter for Prefect's concurrency services' logger: its slot-acquisition service logs every
+    failed acquisition as an error, and a lease refused because another candidate holds the slot
+    (HTTP 423) is an answer try_lease expects — a candidate proposed ahead meets it whenever two
+    start at once. That record is dropped; any other failure is logged as Prefect logs it (and
+    raised to try_lease's caller too)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if len(args) != 2 or args[0] != ACQUIRING_SERVICE or not isinstance(args[1], tuple) or not args[1]:
+        return True
+    done = args[1][-1]
+    if not isinstance(done, Future) or not done.done() or done.cancelled():
+        return True
+    error = done.exception()
+    return not (isinstance(error, httpx.HTTPStatusError) and error.response.status_code == 423)
+
+
+logging.getLogger("prefect._internal.concurrency").addFilter(refused_try_unlogged)
 
 
 def ensure_limits(pool: Pool) -> None:
@@ -93,8 +115,8 @@ def group_size(slot: Slot, n: int) -> int:
 @contextmanager
 def lease_group(choices: Callable[[], list[Slot]], n: int) -> Iterator[list[Slot]]:
     """Hold n free slots of one host (the one slot of a CPU-only host, whose servers share its
-    CPU), waiting until a host has them. Only slots that look free are tried (a refused try is
-    logged as an error by Prefect). All or none: a group that cannot be completed is let go at
+    CPU), waiting until a host has them. Only slots that look free are tried (another flow or a
+    candidate proposed ahead may still take one first: that refusal is not logged). All or none: a group that cannot be completed is let go at
     once, so two waiting groups never hold each other's GPUs. `choices()` is asked again once
     the group is held: a host benched meanwhile is let go."""
     while True:

@@ -6,6 +6,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from contract.job import Candidate
@@ -90,6 +91,47 @@ def test_a_gpu_lease_is_held_by_one_holder_at_a_time(prefect_server):
     with try_lease(slot) as again:
         seen.append(again)
     assert first and seen == [False, True]
+
+
+def test_a_refused_lease_is_no_error_in_the_log_and_other_failures_still_are(prefect_server):
+    import logging
+    from concurrent.futures import Future
+
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from gpu_pool.leases import ACQUIRING_SERVICE
+
+    # Prefect's acquisition service logs every failed try as an error; a slot another holds (423)
+    # is what try_lease expects when two candidates start at once, and is not logged.
+    services = logging.getLogger("prefect._internal.concurrency")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    services.addHandler(handler)
+    try:
+        slot = Pool(hosts=[Host(name="lease-log-test")]).slots()[0]
+        ensure_limits(Pool(hosts=[slot.host]))
+        with try_lease(slot) as first:
+            refused = []
+            t = threading.Thread(target=lambda: refused.append(try_lease(slot).__enter__()))
+            t.start()
+            t.join()
+        assert first and refused == [False]
+        assert not [r for r in records if ACQUIRING_SERVICE in r.getMessage()], [r.getMessage() for r in records]
+
+        # any other failure of the service is still logged as Prefect logs it
+        def failed(status: int) -> Future:
+            done: Future = Future()
+            request = httpx.Request("POST", "http://prefect/v2/concurrency_limits/increment-with-lease")
+            done.set_exception(PrefectHTTPStatusError("refused", request=request,
+                                                      response=httpx.Response(status, request=request)))
+            return done
+
+        for status in (423, 500):
+            services.error("Service %r failed to process item %r", ACQUIRING_SERVICE, (1, "concurrency", failed(status)))
+        assert [r.args[1][-1].exception().response.status_code for r in records] == [500]
+    finally:
+        services.removeHandler(handler)
 
 
 def test_a_group_lease_holds_gpus_of_one_host_and_waits_holding_none(prefect_server):
