@@ -19,7 +19,9 @@ packer=$!
 trap 'kill $packer 2>/dev/null; pack_home' EXIT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/cost.md"
 for budget in ${BUDGETS:-24 100}; do
-    echo "## ${OP:-rmsnorm} ${MODEL:-qwen3-8b}, TPE, budget $budget ($(git rev-parse --short HEAD 2>/dev/null || echo '?'))" \
+    # the commit, and "+changes" where the tree differs from it (a copied tree may carry an older .git)
+    rev="$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD 2>/dev/null || echo '+changes')"
+    echo "## ${OP:-rmsnorm} ${MODEL:-qwen3-8b}, TPE, budget $budget ($rev)" \
         | tee -a "$out/cost.md"
     python3 bench/candidate_cost.py --op "${OP:-rmsnorm}" --model "${MODEL:-qwen3-8b}" --budget "$budget" \
         ${EXTRA:+-- $EXTRA} 2>> "$out/cost.log" | tee -a "$out/cost.md"
