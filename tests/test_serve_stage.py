@@ -152,20 +152,29 @@ def test_one_replica_streaming_a_fixed_token_is_rejected_by_the_accuracy_gate(pr
     assert "verdict: fail  [accuracy]" in out and "all_metrics" not in out
 
 
+def batching_bug_gates(tmp_path, request, where: str, mode: str = "") -> tuple[str, str, str]:
+    """serve-bench of tests/serve_fakes/batching_bug_server.py (in `mode`) here or on the pool host,
+    against a baseline that never starts: the accuracy lines before and under load (the first
+    passed), and the whole output."""
+    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps(SERVING))
+    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}} {mode}".rstrip()
+    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'", *pool)
+    assert code == 1, out
+    before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
+    assert before.startswith("accuracy: ok  6 prompts (2 held out), "), out
+    return before, under, out
+
+
 @pytest.mark.parametrize("where", ["this machine", "pool host"])
 def test_an_engine_wrong_only_in_company_passes_before_load_and_fails_under_it(prefect_server, tracking_home,
                                                                               tmp_path, request, where):
     # The real engine behind a relay that corrupts a whole completion which shared the server with
     # another request: the accuracy prompts, one at a time before load, are right; those sent while
     # AIPerf loads it are not. On the pool host the controller judges both rounds.
-    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
-    serving = tmp_path / "serving.json"
-    serving.write_text(json.dumps(SERVING))
-    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}}"
-    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'", *pool)
-    assert code == 1, out
-    before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
-    assert before.startswith("accuracy: ok  6 prompts (2 held out), ") and "0 prompts diverged" in before, out
+    before, under, out = batching_bug_gates(tmp_path, request, where)
+    assert "0 prompts diverged" in before, out
     assert re.match(r"accuracy: FAILED  under load on pattern chat-short: prompt \d \((shown|held out)\), token 0: "
                     r"greedy token \d+, the reference's is \d+ .*; 3 of 3 overlapped AIPerf's measured requests", under), out
     assert "verdict: fail  [accuracy] under load on pattern chat-short: prompt" in out and "all_metrics" not in out
@@ -179,15 +188,7 @@ def test_an_engine_that_replays_its_answers_under_load_fails_on_the_fresh_prompt
     # fresh held-out prompt (number 6, after the 4 shown and 2 held out) it must answer while
     # crowded. On the pool host it also answers, alone and first, every prompt the session's file
     # holds: the fresh one is not there before its pattern.
-    pool = ["--pool", str(request.getfixturevalue("pool_host")[1])] if where == "pool host" else []
-    mode = "peek" if pool else "cache"
-    serving = tmp_path / "serving.json"
-    serving.write_text(json.dumps(SERVING))
-    fake = f"{sys.executable} {FAKES / 'batching_bug_server.py'} {{port}} {{model_dir}} {{name}} {mode}"
-    code, out = bench(serving, "--candidate", fake, "--baseline", f"{sys.executable} -c 'raise SystemExit(9)'", *pool)
-    assert code == 1, out
-    before, under = [line for line in out.splitlines() if line.startswith("accuracy: ")]
-    assert before.startswith("accuracy: ok  6 prompts (2 held out), "), out
+    before, under, out = batching_bug_gates(tmp_path, request, where, "peek" if where == "pool host" else "cache")
     assert re.match(r"accuracy: FAILED  under load on pattern chat-short: prompt 6 \(held out\), token 0: ", under), out
 
 
