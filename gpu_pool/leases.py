@@ -118,8 +118,8 @@ def lease_group(choices: Callable[[], list[Slot]], n: int) -> Iterator[list[Slot
     CPU), waiting until a host has them. Only slots that look free are tried (another flow or a
     candidate proposed ahead may still take one first: that refusal is not logged). All or none:
     a group that cannot be completed is let go at once, so two waiting groups never hold each
-    other's GPUs. `choices()` is asked again once
-    the group is held: a host benched meanwhile is let go."""
+    other's GPUs. `choices()` is asked again once the group is held: a host benched meanwhile is
+    let go."""
     while True:
         hosts: dict[str, list[Slot]] = {}
         for slot in free_slots(choices()):

@@ -93,9 +93,9 @@ class SSHServe:
             if not judged_ok(pattern, raw):
                 return False, {}
             following = rounds.index(pattern) + 1
-            if following == len(rounds) or not fresh_prompts(job):
+            if following == len(rounds):
                 return True, {}
-            n = before + following - 1  # the fresh prompts follow the others, one per pattern in order
+            n = prompt_numbers(job, len(reference.prompts), rounds[following])[-1]  # its fresh one, last
             return True, {n: reference.prompts[n]}
 
         def judged_ok(pattern: str | None, raw: bytes) -> bool:
