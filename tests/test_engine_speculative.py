@@ -18,7 +18,7 @@ from engine_templates.engine.config import EngineConfig, EngineSetupError
 from engine_templates.engine.cuda_graphs import DecodeGraphs
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.sequence import SamplingParams
-from engine_templates.engine.speculative import NgramIndex, accept
+from engine_templates.engine.speculative import FIRST_PAUSE, LONGEST_PAUSE, MISS_STREAK, Backoff, NgramIndex, accept
 
 ROOT = Path(__file__).resolve().parent.parent
 REPETITIVE = ["id,name,city\n1,ann,oslo\n2,bob,rome\n3,cid,oslo\n4,dan,rome\n5,eve,oslo\n6,",
@@ -95,6 +95,43 @@ def test_sampled_requests_are_not_drafted():
     eng = engine("dense", 4)
     assert answers(eng, REPETITIVE, seeded) == answers(engine("dense"), REPETITIVE, seeded)
     assert eng.spec_stats.drafted == 0
+
+
+def test_drafting_pauses_after_a_streak_of_misses_doubling_up_to_a_cap_and_resumes_on_a_hit():
+    b = Backoff()
+    pauses = []
+    for _ in range(8):
+        for _ in range(MISS_STREAK - 1):
+            b.miss()
+            assert b.pause == 0
+        b.miss()
+        pauses.append(b.pause)
+        b.pause = 0  # the pause spent
+    assert pauses[0] == FIRST_PAUSE and pauses[-1] == LONGEST_PAUSE
+    assert all(b == min(2 * a, LONGEST_PAUSE) for a, b in zip(pauses, pauses[1:]))
+    b.miss()
+    b.hit()  # an accepted draft: the streak and the pause length start again
+    for _ in range(MISS_STREAK):
+        b.miss()
+    assert b.pause == FIRST_PAUSE
+
+
+def test_while_drafting_is_paused_decode_steps_go_ahead_and_no_token_changes():
+    """A step that drafts waits for the tokens of the one before; one whose sequences are all
+    paused (after drafts that gained nothing) is queued ahead, as without speculation."""
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    plain = engine("dense", graphs=True)
+    expected = [s.completion_token_ids for s in plain.generate(PLAIN, params)]
+    eng = engine("dense", 3, graphs=True)
+    assert [s.completion_token_ids for s in eng.generate(PLAIN, params)] == expected
+    stats = eng.spec_stats
+    assert stats.drafted > stats.accepted > 0  # drafts were tried, some rejected
+    assert 0 < eng.steps_ahead < plain.steps_ahead  # paused stretches went ahead; drafting ones did not
+    # sampled requests are never drafted: their steps go ahead exactly as without speculation
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+    plain, eng = engine("dense", graphs=True), engine("dense", 3, graphs=True)
+    assert answers(eng, PLAIN, seeded) == answers(plain, PLAIN, seeded)
+    assert eng.steps_ahead == plain.steps_ahead > 0 and eng.spec_stats.drafted == 0
 
 
 def test_settings_are_checked():

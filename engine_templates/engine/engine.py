@@ -18,7 +18,8 @@ synchronously, for greedy and seeded sampling; unseeded sampling draws from the 
 generator per row, so a discarded row shifts the later draws.
 
 It is used only for pure decode steps on the CUDA graph path (DecodeGraphs, run without capture
-on a CPU in the tests), and not with speculative decoding (speculative.py). Every other step is the plain synchronous one, scheduled after the
+on a CPU in the tests); with speculative decoding, only while no sequence of the batch may draft in
+the step ahead (its drafting paused: speculative.py). Every other step is the plain synchronous one, scheduled after the
 previous step's tokens are in: a prefill or mixed step, an eager decode, and whenever the next
 step might differ from `schedule`'s (a prompt waiting with a free place in the batch, a prompt
 mid-way, a preemption: Scheduler.schedule_ahead). Sampling needs nothing from the host that is
@@ -134,8 +135,11 @@ class LLMEngine:
     def _launch_ahead(self, step: LaunchedStep) -> LaunchedStep | None:
         """The decode step after `step`, queued before `step`'s tokens are read; None: the next
         step is scheduled once they are in."""
-        if not (self.config.async_decode and step.on_graph_path) or self.scheduler.drafter is not None:
-            return None  # with speculation, a step's drafts depend on the tokens the one before accepted
+        if not (self.config.async_decode and step.on_graph_path):
+            return None
+        drafter = self.scheduler.drafter
+        if drafter is not None and not all(drafter.idle(s) for s in step.seqs):
+            return None  # a step that drafts depends on the tokens the one before accepts
         seqs = self.scheduler.schedule_ahead(step.seqs, lambda s: self._length_reached(s, s.num_tokens + 1))
         if not seqs:
             return None
@@ -154,6 +158,8 @@ class LLMEngine:
                 continue
             accepted = len(tokens) - 1 if draft else 0
             self.spec_stats.add(len(draft), accepted)
+            if draft:
+                self.scheduler.drafter.verified(seq, accepted)
             # the K/V of rejected drafts stay past the end, to be overwritten
             seq.num_computed_tokens += seq.num_scheduled_tokens - (len(draft) - accepted)
             for token, logprob in tokens:

@@ -120,6 +120,8 @@ class Scheduler:
         for seq in batch:
             bm.allocate(seq, seq.num_tokens + 1)
             seq.num_scheduled_tokens = 1
+            if self.drafter is not None:
+                self.drafter.skip(seq)
         return batch
 
     def _add_drafts(self, decodes: list[Sequence]) -> list[Sequence]:

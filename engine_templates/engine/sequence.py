@@ -59,6 +59,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # set by the scheduler for the coming step
         self.draft: list[int] = []  # speculative tokens the coming step verifies (speculative.py)
         self.ngram_index = None  # the drafter's index of this sequence's tokens, built as it grows
+        self.spec_backoff = None  # the drafter's pauses after chances to draft that gained nothing
         self.block_table: list[int] = []
         self.status = Status.WAITING
         self.logprobs: list[float] = []  # of each completion token under the model

@@ -20,7 +20,14 @@ gives (the same argmax over the same context), with its log-probability. The K/V
 rejected drafts lie past the sequence's length: never attended to, overwritten by the next step.
 
 Sampled (temperature > 0) requests are not drafted: one token per step, as without speculation.
-Speculation turns async decode off: a step's drafts depend on the tokens the step before accepted.
+
+Back-off (`Backoff`): a step that drafts cannot be queued ahead of the one before (async decode,
+engine.py), since its drafts depend on the tokens that step accepts; with nothing accepted, drafting
+would cost that overlap and the verify rows for nothing. So a sequence whose last MISS_STREAK
+chances to draft gave no accepted token (no n-gram found, or every draft rejected) stops drafting
+for a pause of steps, doubled at each new streak up to LONGEST_PAUSE and back to FIRST_PAUSE as
+soon as a draft is accepted. While every sequence of a decode batch is paused, the steps are
+queued ahead as without speculation. Drafts never change a token, so neither does the back-off.
 """
 from __future__ import annotations
 
@@ -53,6 +60,28 @@ class NgramIndex:
         return []
 
 
+MISS_STREAK = 4  # chances to draft without an accepted token before drafting pauses
+FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps without drafting: the first pause, and the cap as it doubles
+
+
+@dataclass
+class Backoff:
+    """One sequence's drafting pauses (module docstring)."""
+
+    misses: int = 0  # chances in a row without an accepted token
+    pause: int = 0  # steps left without drafting
+    next_pause: int = FIRST_PAUSE
+
+    def miss(self) -> None:
+        self.misses += 1
+        if self.misses >= MISS_STREAK:
+            self.misses, self.pause = 0, self.next_pause
+            self.next_pause = min(2 * self.next_pause, LONGEST_PAUSE)
+
+    def hit(self) -> None:
+        self.misses, self.next_pause = 0, FIRST_PAUSE
+
+
 class PromptLookup:
     """The drafter: `spec_tokens` tokens at most per step, n-grams of `ngram` tokens at most."""
 
@@ -60,13 +89,37 @@ class PromptLookup:
         self.spec_tokens, self.ngram = spec_tokens, ngram
 
     def draft(self, seq: Sequence, limit: int) -> list[int]:
-        """The sequence's draft, at most `limit` tokens (what its length and max_tokens leave)."""
+        """The sequence's draft for the step being scheduled, at most `limit` tokens (what its
+        length and max_tokens leave); [] while its drafting is paused."""
         limit = min(limit, self.spec_tokens)
         if limit <= 0 or not seq.params.greedy:
             return []
         if seq.ngram_index is None:
-            seq.ngram_index = NgramIndex(self.ngram)
-        return seq.ngram_index.lookup(seq.token_ids, limit)
+            seq.ngram_index, seq.spec_backoff = NgramIndex(self.ngram), Backoff()
+        if seq.spec_backoff.pause:
+            seq.spec_backoff.pause -= 1
+            return []
+        draft = seq.ngram_index.lookup(seq.token_ids, limit)
+        if not draft:
+            seq.spec_backoff.miss()
+        return draft
+
+    def idle(self, seq: Sequence) -> bool:
+        """Whether the sequence's next step surely has no draft, so that step can be queued
+        before this one's tokens are known."""
+        return not seq.params.greedy or (seq.spec_backoff is not None and seq.spec_backoff.pause > 0)
+
+    def skip(self, seq: Sequence) -> None:
+        """A step scheduled ahead for an idle sequence: one step of its pause spent."""
+        if seq.spec_backoff is not None:
+            seq.spec_backoff.pause = max(0, seq.spec_backoff.pause - 1)
+
+    def verified(self, seq: Sequence, accepted: int) -> None:
+        """A step verified the sequence's draft and accepted `accepted` of its tokens."""
+        if accepted:
+            seq.spec_backoff.hit()
+        else:
+            seq.spec_backoff.miss()
 
 
 def accept(draft: list[int], rows: list[tuple[int, float]]) -> list[tuple[int, float]]:
