@@ -60,7 +60,7 @@ class NgramIndex:
         return []
 
 
-MISS_STREAK = 4  # chances to draft without an accepted token before drafting pauses
+MISS_STREAK = 3  # chances to draft without an accepted token before drafting pauses
 FIRST_PAUSE, LONGEST_PAUSE = 4, 64  # steps without drafting: the first pause, and the cap as it doubles
 
 
