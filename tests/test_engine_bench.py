@@ -230,3 +230,47 @@ def test_bench_fp8_speculative_and_long_context_variants(tmp_path, capsys):
     table = (out / "engine_bench.md").read_text()
     assert "| decode, batch 1, after 100 tokens (tok/s) |" in table and "of its FP8 roofline)" in table
     assert "| engine+fp8+spec3 | " in table.split("acceptance rate |")[1]
+
+
+def test_bench_runs_each_pattern_of_a_serving_file_in_process(tmp_path, capsys):
+    serving = tmp_path / "serving.yaml"
+    serving.write_text(
+        "traffic:\n"
+        "  - {name: pair, concurrency: 2, input_tokens_mean: 12, input_tokens_stddev: 3, output_tokens_mean: 5,"
+        " request_count: 5, warmup_requests: 1}\n"
+        "  - {name: paced, concurrency: null, request_rate: 200, input_tokens_mean: 8, output_tokens_mean: 3,"
+        " request_count: 4, warmup_requests: 0}\n"
+        "accuracy: {held_out: 1}\n")
+    out = tmp_path / "bench"
+    code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "--dtype", "fp32", "--device", "cpu",
+                 "--skip-hf", "--serving", str(serving), "--decode-tokens", "4", "--ttft-lengths", "20",
+                 "--ttft-reps", "1", "--concurrency", "2", "--concurrent-prompt", "9", "--concurrent-tokens", "4",
+                 "--check-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads((out / "engine_bench.json").read_text())
+    assert [p["name"] for p in result["serving"]] == ["pair", "paced"]
+    got = result["presets"]["tiny"]["systems"]["engine"]["serving"]
+    assert (got["pair"]["requests"], got["pair"]["output_tokens"]) == (5, 25)  # the warm-up not counted
+    assert (got["paced"]["requests"], got["paced"]["output_tokens"]) == (4, 12)
+    ordered = lambda low, high: 0 < low <= high * (1 + 1e-12)  # percentiles, to the rounding of interpolation
+    for figures in got.values():
+        assert ordered(figures["ttft_p50_ms"], figures["ttft_p90_ms"])
+        assert ordered(figures["itl_p50_ms"], figures["itl_p90_ms"])
+        assert ordered(figures["output_tps_per_user_p10"], figures["output_tps_per_user_p50"])
+        assert figures["output_tps"] == pytest.approx(figures["output_tokens"] / figures["span_s"])
+    table = (out / "engine_bench.md").read_text()
+    assert "| pair | output_tps | " in table and "| paced | itl_p90_ms | " in table
+
+
+@pytest.mark.parametrize("text, says", [
+    ("traffic:\n  - {name: a, concurrency: 1, burst: 3}\n", "unknown fields ['burst']"),
+    ("accuracy: {held_out: 1}\n", "no `traffic:` list"),
+    ("traffic:\n  - {name: a, concurrency: 2, request_rate: 3}\n", "concurrency or request_rate, one"),
+])
+def test_a_bad_serving_file_is_one_line(tmp_path, capsys, text, says):
+    serving = tmp_path / "serving.yaml"
+    serving.write_text(text)
+    code = main(["engine", "bench", "--out", str(tmp_path / "o"), "--presets", "tiny", "--device", "cpu",
+                 "--serving", str(serving)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err

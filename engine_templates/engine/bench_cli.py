@@ -41,6 +41,8 @@ def add_bench_commands(sub) -> None:
     b.add_argument("--tolerance", type=float, help="nats, more than 0: how far the engine's log-probabilities "
                    "may be from HF's (default 0.25 in bf16/fp16, 1e-3 in fp32, 0.5 with FP8 weights)")
     b.add_argument("--seed", type=int, default=0, help="the random weights' seed (as `random-checkpoint --seed`)")
+    b.add_argument("--serving", type=Path, help="a serving file (as `serve-bench --serving`): each of its traffic "
+                   "patterns also run in process on every engine variant, under the serve stage's metric names")
     b.set_defaults(engine_fn=cmd_bench)
     f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
                                        "graphs, the device's busy time, the roofline, and an eager step's kernels")
@@ -57,6 +59,7 @@ def add_bench_commands(sub) -> None:
 
 def cmd_bench(args) -> int:
     from engine_templates.engine.bench import EAGER, BenchOptions, Workload, run
+    from engine_templates.engine.bench.serving import load_patterns
     from engine_templates.engine.config import EngineSetupError, pick_device
     from engine_templates.engine.kernels import parse_kernels_file
 
@@ -72,7 +75,8 @@ def cmd_bench(args) -> int:
                         dtype=args.dtype, device=pick_device(args.device), skip_hf=args.skip_hf,
                         enforce_eager=args.enforce_eager, async_decode=args.async_decode,
                         tolerance=args.tolerance, seed=args.seed, kernel_specs=specs, fp8=args.fp8,
-                        spec_tokens=args.spec_tokens, spec_ngram=args.spec_ngram)
+                        spec_tokens=args.spec_tokens, spec_ngram=args.spec_ngram,
+                        serving=load_patterns(args.serving) if args.serving else ())
     try:
         opts.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, say

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine_templates.engine.bench.measure import Workload, check, engine_phases, hf_phases
+from contract.serve import Pattern
+from engine_templates.engine.bench import serving
+from engine_templates.engine.bench.measure import Workload, check, engine_phases, hf_phases, sync
 from engine_templates.engine.bench.report import markdown
 from engine_templates.engine.bench.roofline import bounds, weight_bytes
 from engine_templates.engine.config import DTYPES, EngineConfig, EngineSetupError, KernelSpec, ModelConfig
@@ -69,6 +71,7 @@ class BenchOptions:
     fp8: bool = False  # each kernels variant also with FP8 weights (quantized at load)
     spec_tokens: int = 0  # each variant also with speculative decoding, this many draft tokens
     spec_ngram: int = 3
+    serving: tuple[Pattern, ...] = ()  # a serving file's patterns, each also run in process (serving.py)
 
     @property
     def variants(self) -> list[Variant]:
@@ -105,11 +108,15 @@ def _free(device: str) -> None:
 
 def _engine_config(opts: BenchOptions, variant: Variant, **extra) -> EngineConfig:
     w = opts.work
-    length = -(-(w.max_len() + variant.spec_tokens) // opts.block_size) * opts.block_size
+    longest = max([w.max_len()] + [serving.longest(p) for p in opts.serving])
+    length = -(-(longest + variant.spec_tokens) // opts.block_size) * opts.block_size
     per_seq = -(-(w.concurrent_prompt + w.concurrent_tokens + variant.spec_tokens) // opts.block_size)
-    blocks = max(w.concurrency * per_seq, length // opts.block_size) + w.concurrency
+    seqs = max([w.concurrency] + [serving.in_flight(p) for p in opts.serving])
+    need = [-(-(serving.longest(p) + variant.spec_tokens) // opts.block_size) * serving.in_flight(p)
+            for p in opts.serving]
+    blocks = max([w.concurrency * per_seq, length // opts.block_size] + need) + seqs
     settings = dict(model_dir=None, dtype=opts.dtype, device=opts.device, block_size=opts.block_size,
-                    max_num_seqs=w.concurrency, max_model_len=length, num_kv_blocks=blocks,
+                    max_num_seqs=seqs, max_model_len=length, num_kv_blocks=blocks,
                     max_num_batched_tokens=max(2048, max(w.ttft_lengths)),
                     kernels=opts.kernel_specs.get(variant.kernels, {}), enforce_eager=opts.enforce_eager,
                     async_decode=opts.async_decode, seed=opts.seed, quantization="fp8" if variant.fp8 else "",
@@ -149,6 +156,13 @@ def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weig
          + (f", vs HF: gap {c['engine_vs_hf']['worst_gap_to_hf_argmax']:.3g}, "
             f"logprob diff {c['engine_vs_hf']['max_logprob_diff']:.3g}" if "engine_vs_hf" in c else "") + ")")
     result["metrics"] = engine_phases(engine, work, cfg.vocab, opts.seed, _log)
+    if opts.serving:
+        result["serving"] = {}
+        for p in opts.serving:
+            result["serving"][p.name] = got = serving.measure_pattern(engine, p, cfg.vocab, opts.seed,
+                                                                      lambda: sync(opts.device))
+            _log(f"  serving pattern {p.name}: {got['output_tps']:.4g} output tok/s, "
+                 f"TTFT p50 {got['ttft_p50_ms']:.4g} ms ({got['requests']} requests)")
     if variant.fp8:  # its own roofline: the matrices are read at one byte a parameter
         result["roofline"] = _bounds(opts, cfg, ceilings, matrix_itemsize=1)
         result["fp8"] = engine.kernel_choices["fp8"]
@@ -248,7 +262,7 @@ def run(opts: BenchOptions) -> int:
     _log(f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s")
     result = {"device": info, "ceilings": ceilings, "dtype": opts.dtype,
-              "workload": asdict(opts.work), "presets": {}}
+              "workload": asdict(opts.work), "serving": [asdict(p) for p in opts.serving], "presets": {}}
 
     def save(preset: str, partial: dict) -> None:
         result["presets"][preset] = partial

@@ -36,6 +36,23 @@ def _cell(system: dict, metric: str, roofline: float) -> str:
     return f"{m['value']:.4g} ({100 * fraction(metric, m['value'], roofline):.1f}%{own}){capped}"
 
 
+SERVING_METRICS = ("output_tps", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
+                   "output_tps_per_user_p50", "output_tps_per_user_p10")
+
+
+def _serving_table(systems: dict) -> list[str]:
+    """`--serving`: each pattern's figures per engine variant, named as serve-bench names them."""
+    ran = [name for name, s in systems.items() if "serving" in s]
+    if not ran:
+        return []
+    lines = ["", "| pattern (in process) | metric | " + " | ".join(ran) + " |", "|---|---|" + "---|" * len(ran)]
+    for pattern in systems[ran[0]]["serving"]:
+        for metric in SERVING_METRICS:
+            cells = [systems[n]["serving"].get(pattern, {}).get(metric) for n in ran]
+            lines.append(f"| {pattern} | {metric} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return lines
+
+
 def _rate(rate: float | None) -> str:
     return "-" if rate is None else f"{rate:.2f}"
 
@@ -74,6 +91,7 @@ def markdown(result: dict) -> str:
                     f"| {name} | {'ok' if c['agree'] else 'NOT OK'} | {c['graphs']} | "
                     f"{c['graphs_vs_eager']['tokens_equal']} | {hf.get('worst_gap_to_hf_argmax', float('nan')):.3g} | "
                     f"{hf.get('max_logprob_diff', float('nan')):.3g} | {hf.get('hf_greedy_equal_prefix', '')} |")
+        lines += _serving_table(r["systems"])
         spec = {name: s["speculative"] for name, s in r["systems"].items() if "speculative" in s}
         if spec:
             lines += ["", "| system | drafted tokens | accepted | acceptance rate |", "|---|---|---|---|"]
