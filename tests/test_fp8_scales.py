@@ -7,9 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_templates.engine.fp8 import (PROBE_K, PROBE_TOKENS, Fp8Linear, Fp8Weight, blockwise_scales,
-                                         linear_blockwise, linear_dequant, linear_rowwise, quantize, quantize_rows,
-                                         rowwise_scales)
+from engine_templates.engine.fp8 import (
+    PROBE_K,
+    PROBE_TOKENS,
+    Fp8Linear,
+    Fp8Weight,
+    blockwise_scales,
+    linear_blockwise,
+    linear_dequant,
+    linear_rowwise,
+    quantize,
+    quantize_rows,
+    rowwise_scales,
+)
 
 # (tokens, K, out): one token and more than 16; K/128 a multiple of 4 and not; out a multiple of
 # 128 and not (the last weight block cut short).

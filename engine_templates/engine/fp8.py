@@ -18,8 +18,9 @@ activations (torch._scaled_mm, row-wise), 128 x 128 blocks with 1 x 128 activati
 128-column blocks are a multiple of 4 and one whose are not, and replaced by the fallback if torch
 refuses it in any way or disagrees; everywhere else, and as the fallback, the weight dequantized
 to the activations' dtype and an ordinary matmul. `Fp8Linear.choices` names the path each kind of
-weight takes, and why a scaled one was refused (the engine's `/health` and the bench JSON carry it). The experts go to the
-fused_moe kernel's fp8 variant where the engine has one (fp8_moe.py), else `fused_moe_fp8`.
+weight takes, and why a scaled one was refused (the engine's `/health` and the bench JSON carry it).
+The experts go to the fused_moe kernel's fp8 variant where the engine has one (fp8_moe.py), else
+`fused_moe_fp8`.
 """
 from __future__ import annotations
 
@@ -194,15 +195,17 @@ class Fp8Linear:
                     got = path(x, w)
                 except Exception as e:  # noqa: BLE001 - every refusal falls back; the reason is kept
                     why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-                    return self._refuse(kind, f"{path.__name__} refused at {tokens} x {k}: {why}")
+                    return self.refuse(kind, f"{path.__name__} refused at {tokens} x {k}: {why}")
                 want = linear_dequant(x.float(), w)
                 err = float((got.float() - want).norm() / want.norm())
                 if not err < 0.1:  # activation rounding to e4m3 costs a few percent, a wrong layout ~1
-                    return self._refuse(kind, f"{path.__name__} disagreed at {tokens} x {k}: relative error {err:.3g}")
+                    return self.refuse(kind, f"{path.__name__} disagreed at {tokens} x {k}: relative error {err:.3g}")
         self.paths[kind], self.choices[kind] = path, path.__name__.removeprefix("linear_")
         log.info("fp8 %s weights: %s", kind, self.choices[kind])
 
-    def _refuse(self, kind: str, why: str) -> None:
+    def refuse(self, kind: str, why: str) -> None:
+        """Puts `kind` of weight on the dequantized matmul: a refused path, or the reference a
+        comparison wants."""
         self.paths[kind], self.choices[kind] = linear_dequant, f"dequant ({why})"
         log.warning("fp8 %s weights: %s", kind, self.choices[kind])
 
