@@ -100,40 +100,39 @@ def plan(tests: Path = ROOT / "tests") -> list[Part]:
 
 
 def run_part(part: Part, limit_s: float, log: Path) -> Outcome:
-    start = time.monotonic()
-    out = ""
+    start, out, stdout = time.monotonic(), "", ""
     for argv in part.commands:
         left = limit_s - (time.monotonic() - start)
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
+        stopped = ""
         try:
-            text, _ = proc.communicate(timeout=max(left, 1))
+            stdout, stderr = proc.communicate(timeout=max(left, 1))
         except subprocess.TimeoutExpired:
+            stopped = f"stopped at its limit of {limit_s:.0f} s"
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                text, _ = proc.communicate(timeout=10)
+                stdout, stderr = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                text, _ = proc.communicate()
-            out += text
-            log.write_text(out)
-            return judge(part, out, None, time.monotonic() - start, f"stopped at its limit of {limit_s:.0f} s")
-        out += text
+                stdout, stderr = proc.communicate()
+        out += f"$ {' '.join(argv)}\n{stdout}{stderr}"
         log.write_text(out)
-        if proc.returncode and argv is not part.commands[-1]:
-            break  # the serve stage without its checkpoint
-    return judge(part, out, proc.returncode, time.monotonic() - start, "")
+        if stopped or (proc.returncode and argv is not part.commands[-1]):
+            break  # (the serve stage without its checkpoint)
+    return judge(part, out, stdout, None if stopped else proc.returncode, time.monotonic() - start, stopped)
 
 
-def judge(part: Part, out: str, code: int | None, seconds: float, stopped: str) -> Outcome:
-    """The part's verdict and its items, from what its commands printed."""
+def judge(part: Part, out: str, stdout: str, code: int | None, seconds: float, stopped: str) -> Outcome:
+    """The part's verdict and its items, from what its commands printed (`stdout`: the last one's)."""
     items = []
     if part.name == "serve":
-        result = next((json.loads(line) for line in out.splitlines()[::-1] if line.startswith("{")), None)
-        if result is None:
+        try:
+            result = json.JSONDecoder().raw_decode(stdout[stdout.index("{"):])[0]
+        except ValueError:
             return Outcome(part.name, "timeout" if stopped else "fail", seconds, stopped or tail(out))
         gates = [g for g in result["gates"] if g["name"] != "all_metrics"]
-        measured = all(r["candidate"] > 0 and r["baseline"] > 0 for r in result["table"])
+        measured = all((r["candidate"] or 0) > 0 and (r["baseline"] or 0) > 0 for r in result["table"])
         items = [{"name": g["name"], "status": "pass" if g["passed"] else "fail", "detail": g["detail"]}
                  for g in result["gates"]]
         ok = all(g["passed"] for g in gates) and measured and result["table"]
