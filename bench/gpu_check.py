@@ -86,14 +86,14 @@ def plan(tests: Path = ROOT / "tests") -> list[Part]:
     tiny = str(Path(tempfile.gettempdir()) / "infersmith-gpu-check-tiny")
     return [
         Part("fp8-engine", "the FP8 engine on each scaled path and speculative decoding, under CUDA graphs",
-             [pytest + [OWN_MODULE]], 150, [OWN_MODULE] if OWN_MODULE in modules else []),
+             [pytest + [OWN_MODULE]], 140, [OWN_MODULE] if OWN_MODULE in modules else []),
         Part("gauntlet", "the gauntlet cases a GPU checks more of than a CPU",
-             [[py, "-m", "cli", "gauntlet", "--gpu", "--jobs", "4", "--stage-timeout", "60"]], 100, gauntlet_cases()),
+             [[py, "-m", "cli", "gauntlet", "--gpu", "--jobs", "4", "--stage-timeout", "60"]], 90, gauntlet_cases()),
         Part("serve", "the end-to-end stage on the tiny preset, one AIPerf pattern",
              [[py, "-m", "engine_templates.engine", "random-checkpoint", "--preset", "tiny", "--out", tiny,
                "--device", "cuda", "--force"],
               [py, "-m", "cli", "serve-bench", "--model-dir", tiny, "--model", "tiny", "--dtype", "bf16",
-               "--serving", "bench/gpu-check-serving.json", "--stage-timeout", "60", "--json"]], 90,
+               "--serving", "bench/gpu-check-serving.json", "--stage-timeout", "60", "--json"]], 120,
              ["serve-bench tiny, pattern chat-short"]),
         Part("gpu-tests", "every other test marked gpu", [pytest + others], BUDGET_S, others),
     ]

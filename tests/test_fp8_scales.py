@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine_templates.engine.fp8 import (
+    FP8,
     PROBE_K,
     PROBE_TOKENS,
     Fp8Linear,
@@ -20,6 +21,7 @@ from engine_templates.engine.fp8 import (
     quantize_rows,
     rowwise_scales,
 )
+from engine_templates.engine.fp8_activations import quantize_groups
 
 # (tokens, K, out): one token and more than 16; K/128 a multiple of 4 and not; out a multiple of
 # 128 and not (the last weight block cut short).
@@ -71,11 +73,13 @@ def weight(n: int, k: int, block: tuple[int, int]) -> Fp8Weight:
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)
-def test_block_wise_scales_follow_torchs_layout_rule(m, k, n):
+@pytest.mark.parametrize("column_major", [True, False])
+def test_block_wise_scales_follow_torchs_layout_rule(m, k, n, column_major):
     w = weight(n, k, (128, 128))
-    _, sx = quantize_rows(torch.randn((m, k)).to(torch.bfloat16), 128)
+    _, sx = quantize_rows(torch.randn((m, k)).to(torch.bfloat16), 128, column_major)
     a, b = blockwise_scales(sx, w)
     assert blockwise_rule(m, k, n, a, b) == []
+    assert a is sx or not column_major  # quantized straight into the layout: no copy
     # the values: x's group scales unchanged; the weight's block scales, then zeros in the padding
     assert torch.equal(a, sx)
     assert torch.equal(b[:w.scale.shape[1]], w.scale.t()) and not b[w.scale.shape[1]:].any()
@@ -170,3 +174,17 @@ def test_a_path_that_disagrees_is_refused():
     linear._try("block", linear_doubled, torch.device("cpu"), (128, 128))
     assert linear.paths["block"] is linear_dequant
     assert linear.choices["block"].startswith("dequant (linear_doubled disagreed at 1 x 512: relative error 1")
+
+
+@pytest.mark.parametrize("tokens, cols, group, column_major", [
+    (1, 512, 128, True), (5, 768, 128, True), (40, 4096, 128, True), (5, 768, 768, False), (1, 4096, 4096, False)])
+def test_the_gpu_kernels_scales_are_torchs_in_the_layout_asked(tokens, cols, group, column_major):
+    """The one-kernel quantization a GPU runs (here in Triton's interpreter): the scales of torch's
+    ops, in the strides asked for. (The interpreter converts to e4m3 otherwise than a GPU does: the
+    values are compared bit for bit on a GPU, in tests/test_gpu_engine.py.)"""
+    x = torch.randn((tokens, cols), generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    q, scale = quantize_groups(x, group, column_major)
+    _, want = quantize_rows(x, group)
+    assert q.dtype == FP8 and q.shape == x.shape and torch.equal(scale, want)
+    groups = cols // group
+    assert scale.stride() == ((1, tokens) if column_major else (groups, 1))

@@ -16,6 +16,7 @@ from engine_templates.engine.bench import FP8_TOLERANCE
 from engine_templates.engine.bench.measure import vs_hf
 from engine_templates.engine.config import EngineConfig, KernelSpec
 from engine_templates.engine.engine import LLMEngine
+from engine_templates.engine.fp8 import quantize_rows
 from engine_templates.engine.oracle import HFOracle
 from engine_templates.engine.quantize import quantize_checkpoint
 from engine_templates.engine.sequence import SamplingParams
@@ -114,3 +115,15 @@ def test_speculative_decoding_under_cuda_graphs_gives_the_tokens_of_plain_decodi
     assert tokens(got) == tokens(plain)
     stats = spec.spec_stats.as_dict()
     assert stats["accepted_tokens"] > 0 and stats["verify_steps"] < sum(len(t) for t in tokens(got)), stats
+
+
+@pytest.mark.parametrize("tokens, cols, group, column_major", [
+    (1, 4096, 128, True), (40, 768, 128, True), (1, 12288, 12288, False), (64, 4096, 4096, False)])
+def test_the_one_kernel_quantization_gives_torchs_bits(tokens, cols, group, column_major):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn((tokens, cols), generator=gen, device="cuda") * torch.logspace(-2, 2, cols, device="cuda"))
+    x = x.to(torch.bfloat16)
+    q, scale = quantize_rows(x, group, column_major)  # on the GPU: fp8_activations' kernel
+    want_q, want_scale = quantize_rows(x.cpu(), group, column_major)  # torch's ops
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want_scale) and scale.stride() == want_scale.stride()

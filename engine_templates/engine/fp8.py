@@ -107,14 +107,22 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
     return Fp8Weight(*quantize_blocks(w, block), block)
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [tokens, cols] to e4m3 with one float32 scale per token (and per `group`
-    columns): (q, scale [tokens, 1 or cols / group])."""
+    columns): (q, scale [tokens, 1 or cols / group], column-major if asked). On a GPU in one kernel
+    (fp8_activations.py), elsewhere with torch's ops; the same bits either way."""
     t, cols = x.shape
     g = group or cols
+    if x.is_cuda:
+        from engine_templates.engine.fp8_activations import quantize_groups
+
+        return quantize_groups(x, g, column_major)
     groups = x.float().reshape(t, cols // g, g)
     scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    if column_major:
+        scale = torch.empty_strided(scale.shape, (1, t), dtype=scale.dtype, device=scale.device).copy_(scale)
     return q.view(t, cols).to(FP8), scale
 
 
@@ -131,8 +139,9 @@ def blockwise_scales(sx: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torc
     weight's (L4, out/128) with strides (1, L4), L4 being K/128 rounded up to a multiple of 4 (the
     padding, zeros, lies past the last block of K)."""
     tokens, groups = sx.shape
-    a = torch.empty_strided((tokens, groups), (1, tokens), dtype=torch.float32, device=sx.device)
-    a.copy_(sx)
+    a = sx
+    if sx.stride(0) != 1 or (groups > 1 and sx.stride(1) != tokens):  # not column-major already
+        a = torch.empty_strided((tokens, groups), (1, tokens), dtype=torch.float32, device=sx.device).copy_(sx)
     blocks_n, blocks_k = w.scale.shape
     l4 = -(-blocks_k // 4) * 4
     if l4 == blocks_k and w.scale.stride() == (blocks_k, 1):
@@ -158,7 +167,7 @@ def linear_blockwise(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     matmul (torch.nn.functional.scaled_mm)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    xq, sx = quantize_rows(x, ACT_GROUP)
+    xq, sx = quantize_rows(x, ACT_GROUP, column_major=True)
     scale_a, scale_b = blockwise_scales(sx, w)
     return scaled_mm(xq, w.q.t(), scale_a, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128,
                      output_dtype=x.dtype)
