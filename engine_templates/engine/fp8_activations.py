@@ -34,7 +34,9 @@ def quantize_groups(x: torch.Tensor, group: int, column_major: bool) -> tuple[to
     """x [tokens, cols] (cols a multiple of `group`) to (e4m3 [tokens, cols], float32 scales
     [tokens, cols / group]), the scales row-major or column-major (strides (1, tokens))."""
     tokens, cols = x.shape
-    assert cols % group == 0 and x.stride(1) == 1, (x.shape, x.stride(), group)
+    assert cols % group == 0, (x.shape, group)
+    if x.stride(1) != 1:
+        x = x.contiguous()
     groups = cols // group
     q = torch.empty((tokens, cols), dtype=FP8, device=x.device)
     scale = torch.empty_strided((tokens, groups), (1, tokens) if column_major else (groups, 1), dtype=torch.float32,
