@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 LINT_VENV ?= .venv-lint
 LINTERS := ruff==0.17.6 import-linter==2.17
 
-.PHONY: setup optimize test lint
+.PHONY: setup optimize test lint gpu-check
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml infra/setup.sh
 	bash infra/setup.sh $(VENV)
@@ -28,3 +28,8 @@ lint: $(LINT_VENV)/.installed
 # Two workers: CI has two cores, and most tests wait on harness subprocesses.
 test: setup lint
 	$(BIN)/python -m pytest -q -ra -n 2 --durations=20
+
+# On a GPU host: every path only a GPU exercises, in one call of at most 9 minutes, with one report
+# under $(OUT) (docs/testing.md#on-a-gpu-make-gpu-check). `python3 bench/gpu_check.py --plan` lists it.
+gpu-check:
+	bash bench/gpu_check.sh

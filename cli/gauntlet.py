@@ -18,10 +18,14 @@ def cmd_gauntlet(args) -> int:
     cases = load_cases(args.op)
     if not cases:
         raise UsageError(f"the gauntlet has no cases for {args.op}")
+    if args.gpu:
+        cases = [c for c in cases if c.on_gpu_check]
+        if not cases:
+            raise UsageError(f"no gauntlet case of {args.op} is one a GPU checks more of (gpu or gpu_only)")
     if args.case:
         cases = [c for c in cases if any(part in c.name for part in args.case)]
         if not cases:
-            raise UsageError(f"no gauntlet case{' of ' + args.op if args.op else ''} has "
+            raise UsageError(f"no {'GPU ' * args.gpu}gauntlet case{' of ' + args.op if args.op else ''} has "
                              f"{' or '.join(repr(p) for p in args.case)} in its name")
     target = validated(Target, {"model": args.model, "gpu_class": args.gpu_class,
                                  "budget": {"stage_timeout_s": args.stage_timeout}}, "target")
@@ -79,6 +83,8 @@ def add_commands(sub) -> None:
     g.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one stage may run")
     g.add_argument("--case", action="append", help="only cases whose name (op/file or op/template[point]) "
                    "contains this; repeatable")
+    g.add_argument("--gpu", action="store_true", help="only the cases a GPU checks more of than a CPU (the "
+                   "manifest's gpu_only and gpu cases: the GPU acceptance suite's)")
     g.add_argument("--jobs", type=int, default=1, help="cases at once on the slot; their bench stages still "
                    "run one at a time (default 1)")
     g.set_defaults(fn=cmd_gauntlet)

@@ -29,6 +29,7 @@ class Case:
     ci: bool = True  # false: only `infersmith gauntlet` (and pytest --gauntlet-all) runs it
     alone: bool = False  # it writes where other stages look: never run beside another case
     gpu_only: bool = False  # its vector exists only on a GPU (CUDA-graph capture): not run on a CPU slot
+    gpu: bool = False  # a GPU checks more of it than a CPU (graphs, streams, device memory, timers)
     dtype: str = ""  # "fp8": the case runs on the op's fp8 target; "": on the run's dtype
 
     def __post_init__(self) -> None:
@@ -40,6 +41,11 @@ class Case:
     def name(self) -> str:
         op = f"{self.op}:{self.dtype}" if self.dtype else self.op
         return f"{op}/{self.file.removesuffix('.py')}" if self.file else f"{op}/{self.template}[{self.point}]"
+
+    @property
+    def on_gpu_check(self) -> bool:
+        """Run by the GPU acceptance suite (`infersmith gauntlet --gpu`, `make gpu-check`)."""
+        return self.gpu_only or self.gpu
 
     @property
     def honest(self) -> bool:

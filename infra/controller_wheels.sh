@@ -32,13 +32,18 @@ python3 -m pip download -q --only-binary=:all: --python-version "$pyver" --imple
     $([ "${AIPERF:-1}" = 0 ] || echo "aiperf>=0.13,<0.14")
 mkdir -p "$out"
 norm() { tr 'A-Z_.' 'a-z--' ; }
-# Pieces that a local run never imports, left out so that the set fits a 64 MiB carry: cloud
-# artifact stores (S3 is not used there); AIPerf's plots and dashboards (`aiperf plot`, the
-# textual UI: the stage runs `aiperf profile --ui-type none`); Prefect's integrations
-# (notifications, Kubernetes, Docker) and MLflow's git lookup. Checked by logging every module
-# the serve-stage test imports, in every process (2026-12-03).
+# Pieces that no command run on such a host imports (`make gpu-check`, `infersmith optimize` and
+# `gauntlet`, bench/serve_bench_gpu.sh with AIPerf), left out so that the set fits a 64 MiB carry
+# with room: cloud artifact stores (S3 is not used there); AIPerf's plots, dashboards and audio
+# datasets (`aiperf plot`, the textual UI, soundfile: the stage runs `aiperf profile --ui-type
+# none` on text); Prefect's integrations (notifications, Kubernetes, Docker), its dev server's file
+# watcher and its date parser for human input, MLflow's git lookup; and the optional accelerators
+# that their importers fall back from (zstandard and brotli for HTTP bodies, httptools for
+# uvicorn, ruamel.yaml's C loader). Checked by running those commands with these modules made
+# unimportable, every process logging what it imports (docs/bench.md).
 skip="botocore boto3 s3transfer jmespath plotly dash dash-bootstrap-components kaleido choreographer
-      textual datasets apprise kubernetes-asyncio kopf docker gitpython gitdb smmap flask"
+      textual datasets apprise kubernetes-asyncio kopf docker gitpython gitdb smmap flask
+      soundfile multiprocess rich-rst dateparser watchfiles zstandard brotli httptools ruamel-yaml-clib"
 for f in "$all"/*.whl; do
     name=$(basename "$f" | cut -d- -f1 | norm)
     case " $(echo $skip) " in *" $name "*) continue ;; esac

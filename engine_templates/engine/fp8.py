@@ -13,10 +13,14 @@ row per weight row (the block's scale repeated: the same values, exactly).
 The matmul is `Fp8Linear`, chosen once per engine: on a GPU with FP8 tensor cores (compute
 capability 8.9 and up) torch's scaled matmul — per-channel weights with per-token scales of the
 activations (torch._scaled_mm, row-wise), 128 x 128 blocks with 1 x 128 activation groups
-(torch.nn.functional.scaled_mm, block-wise) — each tried once on a small matrix at start and
-replaced by the fallback if torch refuses it on this GPU; everywhere else, and as the fallback,
-the weight dequantized to the activations' dtype and an ordinary matmul. The experts go to the
-fused_moe kernel's fp8 variant where the engine has one (fp8_moe.py), else `fused_moe_fp8`.
+(torch.nn.functional.scaled_mm, block-wise), their scales laid out as torch checks them
+(rowwise_scales, blockwise_scales) — each tried once at start on one token and on 40, at a K whose
+128-column blocks are a multiple of 4 and one whose are not, and replaced by the fallback if torch
+refuses it in any way or disagrees; everywhere else, and as the fallback, the weight dequantized
+to the activations' dtype and an ordinary matmul. `Fp8Linear.choices` names the path each kind of
+weight takes, and why a scaled one was refused (the engine's `/health` and the bench JSON carry it).
+The experts go to the fused_moe kernel's fp8 variant where the engine has one (fp8_moe.py), else
+`fused_moe_fp8`.
 """
 from __future__ import annotations
 
@@ -103,15 +107,48 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> Fp8Weight:
     return Fp8Weight(*quantize_blocks(w, block), block)
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [tokens, cols] to e4m3 with one float32 scale per token (and per `group`
-    columns): (q, scale [tokens, 1 or cols / group])."""
+    columns): (q, scale [tokens, 1 or cols / group], column-major if asked). On a GPU in one kernel
+    (fp8_activations.py), elsewhere with torch's ops; the same bits either way."""
     t, cols = x.shape
     g = group or cols
+    if x.is_cuda:
+        from engine_templates.engine.fp8_activations import quantize_groups
+
+        return quantize_groups(x, g, column_major)
     groups = x.float().reshape(t, cols // g, g)
     scale = groups.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    if column_major:
+        scale = torch.empty_strided(scale.shape, (1, t), dtype=scale.dtype, device=scale.device).copy_(scale)
     return q.view(t, cols).to(FP8), scale
+
+
+def rowwise_scales(sx: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales of the row-wise scaled matmul as torch checks them (aten ScaledBlas.cpp,
+    is_rowwise_scaling): x's (tokens, 1) and the weight's (1, out), float32, both contiguous."""
+    return sx.contiguous(), w.scale.reshape(1, -1)
+
+
+def blockwise_scales(sx: torch.Tensor, w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales of the 1 x 128 by 128 x 128 scaled matmul as torch checks them (aten
+    ScaledBlas.cpp, _scaled_block1x128_block128x128): x's (tokens, K/128) with strides (1, tokens),
+    column-major also for one token (where a transposed copy keeps its strides (K/128, 1)); the
+    weight's (L4, out/128) with strides (1, L4), L4 being K/128 rounded up to a multiple of 4 (the
+    padding, zeros, lies past the last block of K)."""
+    tokens, groups = sx.shape
+    a = sx
+    if sx.stride(0) != 1 or (groups > 1 and sx.stride(1) != tokens):  # not column-major already
+        a = torch.empty_strided((tokens, groups), (1, tokens), dtype=torch.float32, device=sx.device).copy_(sx)
+    blocks_n, blocks_k = w.scale.shape
+    l4 = -(-blocks_k // 4) * 4
+    if l4 == blocks_k and w.scale.stride() == (blocks_k, 1):
+        return a, w.scale.t()
+    b = torch.zeros((blocks_n, l4), dtype=torch.float32, device=w.scale.device)
+    b[:, :blocks_k] = w.scale
+    return a, b.t()
 
 
 def linear_dequant(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
@@ -121,22 +158,30 @@ def linear_dequant(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 def linear_rowwise(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """Per-channel weights: x quantized per token, then torch._scaled_mm (bf16 out)."""
     xq, sx = quantize_rows(x)
-    return torch._scaled_mm(xq, w.q.t(), scale_a=sx, scale_b=w.scale.view(1, -1), out_dtype=x.dtype)
+    scale_a, scale_b = rowwise_scales(sx, w)
+    return torch._scaled_mm(xq, w.q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
 
 
 def linear_blockwise(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """128 x 128 weight blocks: x quantized per token and 128 columns, then the block-wise scaled
-    matmul (scales of x column-major, as cuBLAS asks)."""
+    matmul (torch.nn.functional.scaled_mm)."""
     from torch.nn.functional import ScalingType, scaled_mm
 
-    xq, sx = quantize_rows(x, ACT_GROUP)
-    return scaled_mm(xq, w.q.t(), sx.t().contiguous().t(), ScalingType.BlockWise1x128, w.scale.t(),
-                     ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    xq, sx = quantize_rows(x, ACT_GROUP, column_major=True)
+    scale_a, scale_b = blockwise_scales(sx, w)
+    return scaled_mm(xq, w.q.t(), scale_a, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128,
+                     output_dtype=x.dtype)
+
+
+# The probe's shapes: one token (decode at batch 1) and more than 16; K a multiple of 512 (K/128
+# a multiple of 4, as every Qwen3 projection) and one that is not (the weight scales padded).
+PROBE_TOKENS = (1, 40)
+PROBE_K = (512, 768)
 
 
 class Fp8Linear:
     """y = x @ w.T for plain and FP8 weights, by the fastest path this device takes (module
-    docstring); `choices` records which, and why where a path was refused."""
+    docstring); `choices` names the path of each kind of weight, and why where one was refused."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.paths = {"channel": linear_dequant, "block": linear_dequant}
@@ -146,25 +191,32 @@ class Fp8Linear:
             self._try("block", linear_blockwise, device, (128, 128))
 
     def _try(self, kind: str, path, device, block) -> None:
-        """Keeps `path` for `kind` if it runs here and agrees with the dequantized matmul on a
-        small weight, 1 and 40 tokens; torch refuses what the GPU or its build cannot do."""
+        """Keeps `path` for `kind` if it runs here and agrees with the dequantized matmul at every
+        probe shape. Any exception is a refusal (torch raises ValueError, RuntimeError,
+        NotImplementedError for what the GPU or its build cannot do; an older torch lacks the
+        names): the kind stays on the dequantized matmul, and `choices` says why."""
         gen = torch.Generator(device=device).manual_seed(0)
-        w = quantize(torch.randn((512, 768), generator=gen, device=device), block or (1, 768))
-        for tokens in (1, 40):
-            x = torch.randn((tokens, 768), generator=gen, device=device).to(torch.bfloat16)
-            try:
-                got = path(x, w)
-            except RuntimeError as e:  # unsupported scaling on this device or torch build
-                self.choices[kind] = f"dequant ({path.__name__} refused: {str(e).splitlines()[0][:160]})"
-                log.info("fp8 %s weights: %s", kind, self.choices[kind])
-                return
-            want = linear_dequant(x.float(), w)
-            err = float((got.float() - want).norm() / want.norm())
-            if not err < 0.1:  # activation rounding to e4m3 costs a few percent, a wrong layout ~1
-                self.choices[kind] = f"dequant ({path.__name__} disagreed: relative error {err:.3g})"
-                log.warning("fp8 %s weights: %s", kind, self.choices[kind])
-                return
+        for k in PROBE_K:
+            w = quantize(torch.randn((256, k), generator=gen, device=device), block or (1, k))
+            for tokens in PROBE_TOKENS:
+                x = torch.randn((tokens, k), generator=gen, device=device).to(torch.bfloat16)
+                try:
+                    got = path(x, w)
+                except Exception as e:  # noqa: BLE001 - every refusal falls back; the reason is kept
+                    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                    return self.refuse(kind, f"{path.__name__} refused at {tokens} x {k}: {why}")
+                want = linear_dequant(x.float(), w)
+                err = float((got.float() - want).norm() / want.norm())
+                if not err < 0.1:  # activation rounding to e4m3 costs a few percent, a wrong layout ~1
+                    return self.refuse(kind, f"{path.__name__} disagreed at {tokens} x {k}: relative error {err:.3g}")
         self.paths[kind], self.choices[kind] = path, path.__name__.removeprefix("linear_")
+        log.info("fp8 %s weights: %s", kind, self.choices[kind])
+
+    def refuse(self, kind: str, why: str) -> None:
+        """Puts `kind` of weight on the dequantized matmul: a refused path, or the reference a
+        comparison wants."""
+        self.paths[kind], self.choices[kind] = linear_dequant, f"dequant ({why})"
+        log.warning("fp8 %s weights: %s", kind, self.choices[kind])
 
     def __call__(self, x: torch.Tensor, w) -> torch.Tensor:
         if not isinstance(w, Fp8Weight):
