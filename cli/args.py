@@ -90,7 +90,8 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
             "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
                        "stage_timeout_s": args.stage_timeout,
                        "max_tokens_total": getattr(args, "max_tokens_total", None),
-                       "max_usd": getattr(args, "max_usd", None)}}
+                       "max_usd": getattr(args, "max_usd", None),
+                       "max_gpu_hours": getattr(args, "max_gpu_hours", None)}}
     if hasattr(args, "rtol"):  # the kernel options (add_target_options)
         data |= {"rtol": args.rtol, "seeds": args.seeds, "approval_rtol": args.approval_rtol,
                  "approval_timeout_s": args.approval_timeout}

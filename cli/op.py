@@ -133,6 +133,7 @@ def add_commands(sub) -> None:
     o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
     o.add_argument("--max-tokens-total", type=int, help="stop before the proposer's tokens would pass N")
     o.add_argument("--max-usd", type=float, help="stop before the dollars spent (tokens and GPU time) would pass X")
+    o.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
     o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     o.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                    help="start cold: not from the winners of other targets' published knowledge entries")

@@ -249,5 +249,7 @@ def add_commands(sub) -> None:
                          "0: every op eager, only the engine's knobs searched)")
     oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
     oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    oe.add_argument("--max-usd", type=float, help="stop before the dollars spent on GPU time would pass X")
+    oe.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)

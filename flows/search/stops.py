@@ -1,17 +1,29 @@
-"""An optimization's stop rules and running totals, apart from the flow that keeps them."""
+"""Every stop rule of a search, and its running totals: count, wall clock, plateau, tokens,
+dollars and GPU-hours, read from the target's budget. The loop (loop.py) asks `may_launch`
+before it starts anything and `stop_reason` when it ends; an exhausted space and an endpoint
+that went down are the loop's own, since only it sees the sources."""
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Protocol
 
 from targets import Target
-from tasks.evaluate import Outcome
 from tracking.cost import Cost, per_gain
 from tracking.ledger import Charge
 
 
+class Judged(Protocol):
+    """What the stop rules read of an outcome: what it cost, and its score if it passed."""
+
+    charge: Charge
+
+    @property
+    def score(self) -> float | None: ...
+
+
 class Progress:
-    """Stop rules and the running best: budget, wall clock, plateau, tokens, dollars."""
+    """Stop rules and the running best: budget, wall clock, plateau, tokens, dollars, GPU-hours."""
 
     def __init__(self, target: Target):
         self.budget, self.started = target.budget, time.monotonic()
@@ -31,10 +43,10 @@ class Progress:
     def total_usd(self) -> float:
         return self.usd + self.tokens.proposer_usd
 
-    def record(self, o: Outcome) -> None:
+    def record(self, o: Judged) -> None:
         self.done += 1
         self.spent(o.charge)
-        score = o.verdict.score()
+        score = o.score
         if score is not None:
             self.passed += 1
             self.top = score if self.top is None else max(self.top, score)
@@ -50,12 +62,18 @@ class Progress:
         if charge.host:  # a malformed reply held no host
             self.host_seconds[charge.host] += charge.gpu_seconds
 
-    def may_launch(self, in_flight: int, proposing: int = 0) -> bool:
-        return self.stop_reason(proposing) is None and self.done + in_flight < self.budget.candidates
+    def left(self, in_flight: int) -> int:
+        """Candidates the count still allows to start, beside those in flight."""
+        return self.budget.candidates - self.done - in_flight
 
-    def stop_reason(self, proposing: int = 0) -> str | None:
+    def may_launch(self, in_flight: int, proposing: int = 0) -> bool:
+        """`in_flight`: candidates running and replies awaited; `proposing`: the replies among them."""
+        return self.stop_reason(proposing, in_flight - proposing) is None and self.left(in_flight) > 0
+
+    def stop_reason(self, proposing: int = 0, running: int = 0) -> str | None:
         """Why nothing more may start, or None. `proposing`: replies awaited, which will cost
-        about what the replies so far did, each."""
+        about what the replies so far did, each; `running`: candidates on the pool, whose GPU
+        time is not counted yet."""
         b = self.budget
         ahead = proposing + 1
         if b.max_tokens_total is not None and self.proposals:
@@ -64,19 +82,25 @@ class Progress:
                 return (f"token budget of {b.max_tokens_total:,}: {self.tokens.proposer_tokens:,} spent, and another "
                         f"reply (about {each:,.0f} tokens each so far) would pass it")
         if b.max_usd is not None and (self.proposals or self.done):
-            each = self.tokens.proposer_usd / max(self.proposals, 1) + self.usd / max(self.done, 1)
-            if self.total_usd + ahead * each > b.max_usd:
+            reply, gpu = self.tokens.proposer_usd / max(self.proposals, 1), self.usd / max(self.done, 1)
+            each = reply + gpu
+            if self.total_usd + ahead * reply + (running + ahead) * gpu > b.max_usd:
                 return (f"$ budget of {b.max_usd:g}: ${self.total_usd:.4f} spent, and another candidate (about "
                         f"${each:.4f} each so far) would pass it")
-        if self.done >= self.budget.candidates:
-            return f"budget of {self.budget.candidates} candidates spent"
+        if b.max_gpu_hours is not None and self.done:
+            each = self.gpu_seconds / self.done / 3600
+            if self.gpu_seconds / 3600 + (running + ahead) * each > b.max_gpu_hours:
+                return (f"GPU-hour budget of {b.max_gpu_hours:g}: {self.gpu_seconds / 3600:.3g} spent, {running} "
+                        f"running, and another candidate (about {each:.3g} each so far) would pass it")
+        if self.done >= b.candidates:
+            return f"budget of {b.candidates} candidates spent"
         elapsed = time.monotonic() - self.started
-        if elapsed > self.budget.wall_clock_s:
-            return f"wall-clock budget of {self.budget.wall_clock_s:g} s spent"
-        if self.done and elapsed + self.gpu_seconds / self.done > self.budget.wall_clock_s:
-            return (f"wall-clock budget of {self.budget.wall_clock_s:g} s: another candidate (about "
+        if elapsed > b.wall_clock_s:
+            return f"wall-clock budget of {b.wall_clock_s:g} s spent"
+        if self.done and elapsed + self.gpu_seconds / self.done > b.wall_clock_s:
+            return (f"wall-clock budget of {b.wall_clock_s:g} s: another candidate (about "
                     f"{self.gpu_seconds / self.done:.0f} s each so far) would end after it")
-        if self.since_best >= self.budget.plateau:
+        if self.since_best >= b.plateau:
             return f"plateau: {self.since_best} candidates without a 1% better score"
         return None
 
