@@ -87,7 +87,7 @@ def serve_place(args, target):
     from contract.serve import BASELINE_ENGINES as ENGINES
     from gpu_pool.check import serve_problems
 
-    pool, slots = pool_with(args.pool, target.gpu_class)
+    pool, slots = pool_with(args.pool, target.gpu_class, getattr(args, "usd_per_gpu_hour", None))
     problem = pool.group_problem(target.gpu_class, target.serving.replicas)
     if problem:
         raise UsageError(f"serving.replicas: {problem}")
@@ -251,5 +251,7 @@ def add_commands(sub) -> None:
     oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
     oe.add_argument("--max-usd", type=float, help="stop before the dollars spent on GPU time would pass X")
     oe.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
+    oe.add_argument("--usd-per-gpu-hour", type=float, help="this run's price of a GPU-hour (default: the pool "
+                                                           "file's, else the shipped price of the GPU class)")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)

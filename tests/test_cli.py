@@ -72,6 +72,11 @@ def test_ops_lists_signatures(capsys):
     (["leaderboard", "--op", "rmsnorm", "--limit", "-1"], "--limit must be at least 1, not -1"),
     (["pool", "check", "--stage-timeout", "-5"], "--stage-timeout must be more than 0 seconds, not -5.0"),
     (["optimize-engine", "--model-dir", ".", "--kernels-per-op", "-1"], "--kernels-per-op must be at least 0"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--max-gpu-hours", "0"],
+     "bad target: budget.max_gpu_hours: Input should be greater than 0"),
+    (["optimize-engine", "--model-dir", ".", "--max-gpu-hours", "-1"], "budget.max_gpu_hours: Input should be greater"),
+    (["optimize", "--op", "rmsnorm", "--model", "tiny", "--usd-per-gpu-hour", "-2"],
+     "--usd-per-gpu-hour must be at least 0, not -2"),
     # the end-to-end commands take no option of the kernel stages
     (["serve-bench", "--model-dir", ".", "--rtol", "0.5"], "unrecognized arguments: --rtol 0.5"),
     (["optimize-engine", "--model-dir", ".", "--decode-batches", "1"], "unrecognized arguments: --decode-batches 1"),
