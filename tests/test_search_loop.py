@@ -256,3 +256,22 @@ def test_a_held_candidate_is_decided_once_nothing_is_in_flight():
     assert name == "c0" and at >= c1.finished
     assert [o.name for o in pool.reported] == ["c1", "c0"] and pool.reported[1].score is None
     assert stopped.reason == "budget of 2 candidates spent"
+
+
+def test_a_session_budget_counts_calls_being_judged_and_their_gpu_hours():
+    from flows.search.stops import SessionBudget
+
+    by_count = SessionBudget(max_candidates=2)
+    assert by_count.admit() is None and by_count.admit() is None  # two at once
+    assert by_count.admit() == "the session's budget of 2 candidates is spent (0 judged, 2 being judged)"
+    by_count.settle(10.0)
+    assert "1 judged, 1 being judged" in by_count.admit()
+
+    by_hours = SessionBudget(max_gpu_hours=1.0)
+    assert by_hours.admit() is None and by_hours.admit() is None  # nothing measured yet
+    by_hours.settle(1200.0)  # 1/3 GPU-h: with the one running, another would make 1.0
+    assert by_hours.admit() is None
+    by_hours.settle(1200.0)
+    why = by_hours.admit()  # 2/3 spent, one running, one more: 4/3
+    assert why.startswith("the session's GPU-hour budget of 1: 0.667 spent, 1 being judged")
+    assert SessionBudget().admit() is None

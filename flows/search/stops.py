@@ -1,9 +1,11 @@
 """Every stop rule of a search, and its running totals: count, wall clock, plateau, tokens,
 dollars and GPU-hours, read from the target's budget. The loop (loop.py) asks `may_launch`
 before it starts anything and `stop_reason` when it ends; an exhausted space and an endpoint
-that went down are the loop's own, since only it sees the sources."""
+that went down are the loop's own, since only it sees the sources. `SessionBudget`: the rules of
+an agent's session over MCP, where the agent, not a loop, proposes."""
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from typing import Protocol
@@ -114,3 +116,41 @@ class Progress:
         m |= self.cost.metrics() | self.tokens.token_metrics() | per_gain(self.cost, self.top)
         m |= {f"gpu_seconds/{host}": v for host, v in self.host_seconds.items()}
         return m | ({"best_score": self.top} if self.top is not None else {})
+
+
+class SessionBudget:
+    """An agent's session over MCP: candidates and GPU-hours across all its `evaluate` calls, which
+    may overlap. `admit` before judging one (the reason when it is refused), `settle` after."""
+
+    def __init__(self, max_candidates: int | None = None, max_gpu_hours: float | None = None):
+        self.max_candidates, self.max_gpu_hours = max_candidates, max_gpu_hours
+        self.done = self.running = 0
+        self.gpu_seconds = 0.0
+        self._lock = threading.Lock()
+
+    def admit(self) -> str | None:
+        """None, with the candidate counted as running; else why the session's budget refuses it."""
+        with self._lock:
+            why = self._refusal()
+            if why is None:
+                self.running += 1
+            return why
+
+    def settle(self, gpu_seconds: float) -> None:
+        with self._lock:
+            self.running -= 1
+            self.done += 1
+            self.gpu_seconds += gpu_seconds
+
+    def _refusal(self) -> str | None:
+        n, h = self.max_candidates, self.max_gpu_hours
+        if n is not None and self.done + self.running >= n:
+            return (f"the session's budget of {n} candidates is spent ({self.done} judged, "
+                    f"{self.running} being judged)")
+        if h is not None and self.done:
+            each = self.gpu_seconds / self.done / 3600
+            if self.gpu_seconds / 3600 + (self.running + 1) * each > h:
+                return (f"the session's GPU-hour budget of {h:g}: {self.gpu_seconds / 3600:.3g} spent, "
+                        f"{self.running} being judged, and another candidate (about {each:.3g} each so far) "
+                        "would pass it")
+        return None
