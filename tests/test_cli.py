@@ -77,6 +77,8 @@ def test_ops_lists_signatures(capsys):
     (["optimize-engine", "--model-dir", ".", "--max-gpu-hours", "-1"], "budget.max_gpu_hours: Input should be greater"),
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--usd-per-gpu-hour", "-2"],
      "--usd-per-gpu-hour must be at least 0, not -2"),
+    (["sweep", str(CANDIDATES.parent / "infra" / "sweep.yaml"), "--max-gpu-hours", "0"], "--max-gpu-hours must be more than 0, not 0"),
+    (["mcp", "--max-candidates", "0"], "--max-candidates must be at least 1, not 0"),
     # the end-to-end commands take no option of the kernel stages
     (["serve-bench", "--model-dir", ".", "--rtol", "0.5"], "unrecognized arguments: --rtol 0.5"),
     (["optimize-engine", "--model-dir", ".", "--decode-batches", "1"], "unrecognized arguments: --decode-batches 1"),
