@@ -18,7 +18,6 @@ from targets import Target
 from tasks.serve import EngineOutcome, one_line
 from tracking.history import kernel_choices
 
-__all__ = ["Session", "optimize_engine", "serve_bench", "side_by_side"]
 
 @flow(name="optimize-engine", log_prints=True)
 def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, kernels_per_op: int = 2,
