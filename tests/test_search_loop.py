@@ -275,3 +275,16 @@ def test_a_session_budget_counts_calls_being_judged_and_their_gpu_hours():
     why = by_hours.admit()  # 2/3 spent, one running, one more: 4/3
     assert why.startswith("the session's GPU-hour budget of 1: 0.667 spent, 1 being judged")
     assert SessionBudget().admit() is None
+
+
+def test_the_engine_search_serves_as_many_configurations_at_once_as_the_pool_has_groups():
+    from flows.search.engine import groups
+    from gpu_pool.pool import Pool as GPUPool
+
+    pool = GPUPool.model_validate({"hosts": [
+        {"name": "a", "address": "10.0.0.1", "gpus": [0, 1, 2, 3], "gpu_class": "h100"},
+        {"name": "b", "address": "10.0.0.2", "gpus": [0, 1, 2], "gpu_class": "h100"},
+        {"name": "c"}]})
+    assert groups(pool.slots("h100"), 1) == 7
+    assert groups(pool.slots("h100"), 2) == 3  # a: two, b: one (its third GPU alone serves none)
+    assert groups(pool.slots("cpu"), 2) == 1  # a CPU host runs every replica on its CPU

@@ -18,7 +18,7 @@ from flows.search.publish import summary
 from flows.search.stops import Progress
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, group_size
-from gpu_pool.pool import Pool, local_pool
+from gpu_pool.pool import Pool, Slot, local_pool
 from proposers.engine import EngineProposer
 from targets import Target
 from tasks.reference import reference_task
@@ -31,6 +31,14 @@ from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
 OP = "engine"  # the MLflow experiment of engine runs: infersmith-engine
+
+
+def groups(slots: list[Slot], replicas: int) -> int:
+    """How many servers of `replicas` GPUs of one host the slots hold at once (a CPU-only host: one)."""
+    hosts: dict[str, list[Slot]] = {}
+    for slot in slots:
+        hosts.setdefault(slot.host.name, []).append(slot)
+    return sum(len(held) // group_size(held[0], replicas) for held in hosts.values())
 
 
 @dataclass
@@ -103,13 +111,9 @@ class Session:
             self.best = outcome.score if self.best is None else max(self.best, outcome.score)
 
     def room(self, busy: int) -> int:
-        """As many configurations at once as the healthy slots of the class make groups of
-        `replicas` on one host; one more may wait for the first group to come free."""
-        hosts: dict[str, list] = {}
-        for slot in HEALTH.usable(self.slots):
-            hosts.setdefault(slot.host.name, []).append(slot)
-        groups = sum(len(s) // group_size(s[0], self.target.serving.replicas) for s in hosts.values())
-        return max(groups - busy, 0 if busy else 1)
+        """As many configurations at once as the healthy slots of the class make groups; the
+        first always starts (it waits for a group to come free)."""
+        return max(groups(HEALTH.usable(self.slots), self.target.serving.replicas) - busy, 0 if busy else 1)
 
     def search(self, proposer: EngineProposer, include: list[EngineCandidate]) -> Search[Opened, EngineOutcome]:
         def report(o: EngineOutcome) -> None:
