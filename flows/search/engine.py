@@ -140,11 +140,12 @@ class Session:
                                           f"configurations, best score first. {spend}")
         summary("engine", self.scope.target_key, self.scope.gpu_class, reason, metrics, spend)
         self.tracker.finish_parent(self.parent, metrics | {f"baseline/{k}": v for k, v in self.baseline.metrics().items()},
-                                   {"leaderboard.json": rows})
+                                   {"leaderboard.json": rows, "stop_reason.json": {"reason": reason}})
         if (self.out / "baseline").is_dir():
             self.tracker.client.log_artifacts(self.parent, str(self.out / "baseline"), "baseline")
         shutil.rmtree(self.out, ignore_errors=True)
         archive = self.results.publish(self.parent, {"metrics.json": metrics, "candidates.json": self.outcomes,
+                                                     "stop_reason.json": {"reason": reason},
                                                      "target.json": self.target.model_dump(mode="json")})
         return metrics | ({"results": archive} if archive else {})
 
