@@ -157,15 +157,23 @@ def test_token_budget_counts_the_replies_awaited():
 
 
 def test_an_endpoint_down_stops_proposing_and_what_runs_finishes(capsys):
-    malformed = Out("bad", None)
-    coder = Coder([("c0", 10), Done(malformed), Down("the openai endpoint gave 503"), ("never", 10)])
-    pool = Pool(scored(), slots=3, seconds=0.05)
+    # Two places: c0's reply and the error are awaited at once, in either order; c0 runs on
+    coder = Coder([("c0", 10), Down("the openai endpoint gave 503"), ("never", 10)])
+    pool = Pool(scored(), slots=2, seconds=0.3)
     stopped = run_search(with_coder(pool, budget(candidates=50), coder))
     assert stopped.down == "the openai endpoint gave 503"
     assert stopped.reason == "the LLM endpoint is down: the openai endpoint gave 503"
-    assert pool.started == ["c0"] and {o.name for o in pool.reported} == {"c0", "bad"}
+    assert coder.asked == 2 and pool.started == ["c0"] and [o.name for o in pool.reported] == ["c0"]
     out = capsys.readouterr().out
     assert "proposing stopped: the openai endpoint gave 503" in out and "10 tokens" in out
+
+
+def test_a_reply_judged_without_the_pool_is_reported_as_it_is():
+    coder = Coder([Done(Out("malformed", None)), ("c0", 10)])
+    pool = Pool(scored(), slots=1)
+    stopped = run_search(with_coder(pool, budget(candidates=2), coder))
+    assert pool.started == ["c0"] and [o.name for o in pool.reported] == ["malformed", "c0"]
+    assert stopped.reason == "budget of 2 candidates spent"  # the malformed one counts
 
 
 def test_a_reply_that_never_comes_is_given_up_at_its_deadline(capsys):
