@@ -75,6 +75,7 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--max-gpu-hours", "0"],
      "bad target: budget.max_gpu_hours: Input should be greater than 0"),
     (["optimize-engine", "--model-dir", ".", "--max-gpu-hours", "-1"], "budget.max_gpu_hours: Input should be greater"),
+    (["optimize-engine", "--model-dir", ".", "--plateau", "0"], "budget.plateau: Input should be greater than 0"),
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--usd-per-gpu-hour", "-2"],
      "--usd-per-gpu-hour must be at least 0, not -2"),
     (["sweep", str(CANDIDATES.parent / "infra" / "sweep.yaml"), "--max-gpu-hours", "0"], "--max-gpu-hours must be more than 0, not 0"),
