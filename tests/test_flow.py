@@ -92,8 +92,8 @@ def test_a_gpu_hour_budget_stops_an_optimization_with_its_reason_and_a_run_price
                  "--max-gpu-hours", "1e-6", "--usd-per-gpu-hour", "3", "--pool", str(tmp_path / "pool.yaml")])
     assert code == 0, capsys.readouterr().err
     tracker = Tracker(TrackingConfig.from_env())
-    [parent] = [r for r in tracker.client.search_runs([tracker.experiment("silu_mul")], "tags.`infersmith.kind` = "
-                                                      "'optimization'")]
+    [parent] = tracker.client.search_runs([tracker.experiment("silu_mul")], "tags.`infersmith.kind` = 'optimization'",
+                                          order_by=["attributes.start_time DESC"], max_results=1)  # this one
     reason = json.loads(Path(tracker.client.download_artifacts(parent.info.run_id, "stop_reason.json")).read_text())
     assert reason["reason"].startswith("GPU-hour budget of 1e-06: ")
     m = parent.data.metrics
