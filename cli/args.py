@@ -90,7 +90,8 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
             "budget": {"candidates": candidates, "wall_clock_s": wall_clock, "plateau": plateau,
                        "stage_timeout_s": args.stage_timeout,
                        "max_tokens_total": getattr(args, "max_tokens_total", None),
-                       "max_usd": getattr(args, "max_usd", None)}}
+                       "max_usd": getattr(args, "max_usd", None),
+                       "max_gpu_hours": getattr(args, "max_gpu_hours", None)}}
     if hasattr(args, "rtol"):  # the kernel options (add_target_options)
         data |= {"rtol": args.rtol, "seeds": args.seeds, "approval_rtol": args.approval_rtol,
                  "approval_timeout_s": args.approval_timeout}
@@ -112,9 +113,13 @@ def pool_of(path: str | None):
         raise UsageError(f"bad pool file: {e}") from None
 
 
-def pool_with(path: str | None, gpu_class: str):
-    """The pool and its slots of the class, refused before anything starts when it has none."""
+def pool_with(path: str | None, gpu_class: str, usd_per_gpu_hour: float | None = None):
+    """The pool and its slots of the class, refused before anything starts when it has none;
+    `usd_per_gpu_hour`: this run's price of every GPU-hour (--usd-per-gpu-hour)."""
+    if usd_per_gpu_hour is not None and usd_per_gpu_hour < 0:
+        raise UsageError(f"--usd-per-gpu-hour must be at least 0, not {usd_per_gpu_hour:g}")
     pool = pool_of(path)
+    pool = pool if usd_per_gpu_hour is None else pool.priced(usd_per_gpu_hour)
     slots = pool.slots(gpu_class)
     if not slots:
         has = ", ".join(sorted({h.gpu_class for h in pool.hosts}))

@@ -9,6 +9,10 @@ from cli.args import UsageError, add_target_options, open_store, pool_with, targ
 
 
 def cmd_mcp(args) -> int:
+    if args.max_candidates is not None and args.max_candidates < 1:
+        raise UsageError(f"--max-candidates must be at least 1, not {args.max_candidates}")
+    if args.max_gpu_hours is not None and args.max_gpu_hours <= 0:
+        raise UsageError(f"--max-gpu-hours must be more than 0, not {args.max_gpu_hours:g}")
     target = target_of(args)
     pool, _ = pool_with(args.pool, target.gpu_class)
     if args.home:
@@ -20,8 +24,9 @@ def cmd_mcp(args) -> int:
         os.environ["INFERSMITH_HOME"] = str(home.resolve())
     open_store()
     from cli.mcp_server import build_server
+    from flows.search.stops import SessionBudget
 
-    build_server(target, pool).run("stdio")
+    build_server(target, pool, SessionBudget(args.max_candidates, args.max_gpu_hours)).run("stdio")
     return 0
 
 
@@ -32,5 +37,8 @@ def add_commands(sub) -> None:
     m.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     m.add_argument("--home", help="tracking home (MLflow store and artifacts; default $INFERSMITH_HOME or "
                                   "./.infersmith; MLFLOW_TRACKING_URI wins over both)")
+    m.add_argument("--max-candidates", type=int, help="the session judges at most N candidates; "
+                                                      "an evaluate past them is refused with the reason")
+    m.add_argument("--max-gpu-hours", type=float, help="the session stops judging before its GPU-hours would pass H")
     add_target_options(m)
     m.set_defaults(fn=cmd_mcp)

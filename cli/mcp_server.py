@@ -12,7 +12,7 @@ the candidate's process, which could print the sizes it was called with.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -23,6 +23,9 @@ from gpu_pool.pool import Pool
 from proposers.describe import SEED
 from targets import Target
 from targets.held_out import withheld
+
+if TYPE_CHECKING:
+    from flows.search.stops import SessionBudget
 
 INSTRUCTIONS = """\
 infersmith judges inference kernels. Write a Python module that defines a function named after the
@@ -56,8 +59,9 @@ def agent_verdict(result: dict) -> dict:
             "gpu_timing": bool(v["device"].get("gpu_timing")), "run_id": result["run_id"]}
 
 
-def build_server(target: Target, pool: Pool) -> MCPServer:
-    """The server for one target and pool; tracking is where TrackingConfig.from_env() says."""
+def build_server(target: Target, pool: Pool, budget: SessionBudget | None = None) -> MCPServer:
+    """The server for one target and pool, and the session's budget; tracking is where
+    TrackingConfig.from_env() says."""
     from flows.optimize_op import scope_for
     from tracking.history import board, ceilings, trials
     from tracking.schema import Tracker
@@ -132,10 +136,19 @@ def build_server(target: Target, pool: Pool) -> MCPServer:
         from tracking.ledger import Charge
 
         fitting(op)
+        refused = budget.admit() if budget else None
+        if refused:
+            raise ToolError(f"not judged: {refused}")
         charge = Charge(input_tokens=input_tokens, cached_input_tokens=cached_input_tokens,
-                        output_tokens=output_tokens)
-        result = evaluate_candidate(op=op, source=source, target=target, name=f"{agent_name(ctx)} candidate",
-                                    pool=pool, origin=agent_name(ctx), charge=charge)
+                        output_tokens=output_tokens, self_reported=True)
+        held = 0.0
+        try:
+            result = evaluate_candidate(op=op, source=source, target=target, name=f"{agent_name(ctx)} candidate",
+                                        pool=pool, origin=agent_name(ctx), charge=charge)
+            held = result["gpu_seconds"]
+        finally:
+            if budget:
+                budget.settle(held)
         return agent_verdict(result)
 
     @server.tool()

@@ -84,7 +84,7 @@ def cmd_optimize(args) -> int:
     if args.template and args.template not in op.templates:
         raise UsageError(f"{op.name} has no template {args.template!r}; known: {', '.join(op.templates)}")
     llm = llm_settings(args, target) if args.proposer == "llm" else None
-    pool, slots = pool_with(args.pool, target.gpu_class)
+    pool, slots = pool_with(args.pool, target.gpu_class, args.usd_per_gpu_hour)
     if args.warm_start:  # an entry file broken by hand is one line now, not a failed flow later
         from tracking.errors import KnowledgeError
         from tracking.knowledge import KnowledgeBase
@@ -133,6 +133,9 @@ def add_commands(sub) -> None:
     o.add_argument("--plateau", type=int, default=24, help="stop after N candidates without a 1%% gain")
     o.add_argument("--max-tokens-total", type=int, help="stop before the proposer's tokens would pass N")
     o.add_argument("--max-usd", type=float, help="stop before the dollars spent (tokens and GPU time) would pass X")
+    o.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
+    o.add_argument("--usd-per-gpu-hour", type=float, help="this run's price of a GPU-hour (default: the pool "
+                                                          "file's, else the shipped price of the GPU class)")
     o.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
     o.add_argument("--no-warm-start", dest="warm_start", action="store_false",
                    help="start cold: not from the winners of other targets' published knowledge entries")

@@ -208,6 +208,10 @@ def cmd_sweep(args) -> int:
     from flows.sweep import sweep
 
     plan = _plan(args.file)
+    if args.max_gpu_hours is not None:
+        if args.max_gpu_hours <= 0:
+            raise UsageError(f"--max-gpu-hours must be more than 0, not {args.max_gpu_hours:g}")
+        plan = plan.model_copy(update={"max_gpu_hours": args.max_gpu_hours})
     pool = pool_of(args.pool) if args.pool else None
     open_store()
     state = sweep(plan, pool, return_state=True)
@@ -252,5 +256,7 @@ def add_commands(sub) -> None:
     s = sub.add_parser("sweep", help="run a sweep plan once: every op on every target, as subflows")
     s.add_argument("file", help="the plan, a YAML file (see infra/sweep.yaml)")
     s.add_argument("--pool", help="pool.yaml of the hosts to run on (default: this machine)")
+    s.add_argument("--max-gpu-hours", type=float, help="the sweep's GPU-hours in all (over the plan's "
+                                                       "max_gpu_hours): no optimization starts past them")
     s.set_defaults(fn=cmd_sweep)
 

@@ -10,14 +10,14 @@ from pathlib import Path
 from cli.args import UsageError, add_target_options, open_store, pool_with, target_of, validated
 
 
-def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0):
+def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
     """The target with its serving settings: the preset's, a --serving file over them, then options."""
     import yaml
 
     from contract.serve import BASELINE_ENGINES as ENGINES
     from targets import Serving
 
-    target = target_of(args, candidates, wall_clock)
+    target = target_of(args, candidates, wall_clock, plateau)
     serving = target.serving.model_dump()
     if args.serving:
         try:
@@ -87,7 +87,7 @@ def serve_place(args, target):
     from contract.serve import BASELINE_ENGINES as ENGINES
     from gpu_pool.check import serve_problems
 
-    pool, slots = pool_with(args.pool, target.gpu_class)
+    pool, slots = pool_with(args.pool, target.gpu_class, getattr(args, "usd_per_gpu_hour", None))
     problem = pool.group_problem(target.gpu_class, target.serving.replicas)
     if problem:
         raise UsageError(f"serving.replicas: {problem}")
@@ -194,7 +194,7 @@ def cmd_serve_bench(args) -> int:
 def cmd_optimize_engine(args) -> int:
     if args.kernels_per_op < 0:
         raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
-    target = _serve_target(args, args.budget, args.wall_clock)
+    target = _serve_target(args, args.budget, args.wall_clock, args.plateau)
     include = [{"kernels": _kernels(k)} for k in args.include or []]
     pool, model_dir = serve_place(args, target)
     from flows.optimize_engine import optimize_engine
@@ -249,5 +249,10 @@ def add_commands(sub) -> None:
                          "0: every op eager, only the engine's knobs searched)")
     oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
     oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    oe.add_argument("--plateau", type=int, default=24, help="stop after N configurations without a 1%% gain")
+    oe.add_argument("--max-usd", type=float, help="stop before the dollars spent on GPU time would pass X")
+    oe.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
+    oe.add_argument("--usd-per-gpu-hour", type=float, help="this run's price of a GPU-hour (default: the pool "
+                                                           "file's, else the shipped price of the GPU class)")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)

@@ -12,8 +12,8 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from contract.serve import AIPerfError, ServerError
-from flows.optimize_engine import Session
 from flows.optimize_op import scope_for
+from flows.search.engine import Session
 from gpu_pool.health import HostFault
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from prefect import flow
 from prefect.artifacts import create_table_artifact
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 from engine_templates.ops import get_op
 from flows.optimize_op import OpName, ProposerName, optimize_op
@@ -30,6 +30,9 @@ class SweepPlan(BaseModel):
     targets: list[Target] = Field(min_length=1, description="targets: model, dtype, shapes, GPU class, budget")
     proposer: ProposerName = "tpe"
     seed: int = 0
+    max_gpu_hours: PositiveFloat | None = Field(
+        None, description="the sweep's GPU-hours in all: each optimization may spend what is left (or its own "
+                          "budget's max_gpu_hours, if less), and none starts once they are spent")
 
     @model_validator(mode="after")
     def _ops_fit_targets(self) -> SweepPlan:
@@ -70,21 +73,40 @@ def load_plan(path: Path | str) -> SweepPlan:
 def sweep(plan: SweepPlan, pool: Pool | None = None) -> list[dict]:
     """Each op of the plan on each of its targets, one optimize-op subflow after another. A failed
     optimization does not stop the others; the sweep fails at the end, naming every one that did."""
-    results, failed = [], []
+    results, failed, skipped = [], [], 0
     for target in plan.targets:
         for op in plan.ops:
             name = f"{op} {target.model} {target.dtype}"
+            capped = within(plan, target, sum(r.get("gpu_hours", 0.0) for r in results))
+            if capped is None:
+                skipped += 1
+                continue
             state = optimize_op.with_options(flow_run_name=name)(
-                op=op, target=target, proposer=plan.proposer, seed=plan.seed, pool=pool, return_state=True)
+                op=op, target=capped, proposer=plan.proposer, seed=plan.seed, pool=pool, return_state=True)
             if state.is_completed():
                 results.append({"op": op, "target": target.key(), **state.result()})
             else:
                 failed.append(f"{name}: {state.message or state.name}")
-    print(f"sweep: {len(results)} of {len(results) + len(failed)} optimizations completed")
+    print(f"sweep: {len(results)} of {len(results) + len(failed)} optimizations completed"
+          + (f"; {skipped} not started: the sweep's GPU-hour budget of {plan.max_gpu_hours:g} is spent"
+             if skipped else ""))
     spend(results)
     if failed:
         raise RuntimeError(f"{len(failed)} optimizations failed: " + "; ".join(failed))
     return results
+
+
+def within(plan: SweepPlan, target: Target, spent_hours: float) -> Target | None:
+    """The target with the GPU-hours the sweep has left as its cap (its own, if less); None when
+    the sweep's are spent."""
+    if plan.max_gpu_hours is None:
+        return target
+    left = plan.max_gpu_hours - spent_hours
+    if left <= 0:
+        return None
+    own = target.budget.max_gpu_hours
+    budget = target.budget.model_copy(update={"max_gpu_hours": left if own is None else min(own, left)})
+    return target.model_copy(update={"budget": budget})
 
 
 def spend(results: list[dict]) -> None:

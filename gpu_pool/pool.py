@@ -17,6 +17,13 @@ from pydantic import (
 
 from targets import GPUClassName
 
+# What a GPU-hour costs when neither the pool file nor the host names a price: typical on-demand
+# list prices of GPU clouds, as of PRICES_AS_OF (docs/cost.md). A CPU host's time is not priced;
+# "other" is any class infersmith does not know, priced only by the pool file.
+PRICES_AS_OF = "2026-12-01"
+DEFAULT_USD_PER_GPU_HOUR: dict[str, float] = {
+    "h100": 2.99, "h200": 3.79, "b200": 5.99, "a100": 1.79, "l40s": 0.99, "cpu": 0.0, "other": 0.0}
+
 
 class Host(BaseModel):
     """One machine of the pool. SSH settings matter only when `address` is not "local"."""
@@ -84,10 +91,18 @@ class Pool(BaseModel):
         return out
 
     def price(self, host: Host) -> float:
-        """$ per GPU-hour of the host: its own, else its class's, else 0 (time is still counted)."""
+        """$ per GPU-hour of the host: its own, else its class's in the pool's price table; a pool
+        without a table (this machine, an unpriced file) has the shipped defaults, a table that
+        leaves a class out prices it at 0 (the time is still counted)."""
         if host.usd_per_gpu_hour is not None:
             return host.usd_per_gpu_hour
-        return self.usd_per_gpu_hour.get(host.gpu_class, 0.0)
+        return self.usd_per_gpu_hour.get(host.gpu_class, 0.0) if self.usd_per_gpu_hour \
+            else DEFAULT_USD_PER_GPU_HOUR[host.gpu_class]
+
+    def priced(self, usd_per_gpu_hour: float) -> Pool:
+        """This pool with every GPU-hour at one run's price, over the file's, the hosts' and the default."""
+        return self.model_copy(update={"hosts": [h.model_copy(update={"usd_per_gpu_hour": usd_per_gpu_hour})
+                                                 for h in self.hosts]})
 
     def group_problem(self, gpu_class: str, n: int) -> str | None:
         """Why no host of the class can run n servers of one GPU each (a CPU-only host runs them

@@ -87,6 +87,8 @@ class Budget(BaseModel):
         None, description="stop before the proposer's tokens (input, cached input, output) would pass this")
     max_usd: PositiveFloat | None = Field(
         None, description="stop before the dollars spent (proposer tokens and GPU time) would pass this")
+    max_gpu_hours: PositiveFloat | None = Field(
+        None, description="stop before the GPU-hours held (the candidates' running ones counted) would pass this")
 
     def stage_limit(self, stage: str) -> float:
         """Seconds the stage may run: its kind's own limit, at most stage_timeout_s."""

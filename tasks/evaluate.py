@@ -35,6 +35,10 @@ class Outcome:
     # failing the `approval` gate until the flow records the decision (flows/approval.py).
     held: bool = False
 
+    @property
+    def score(self) -> float | None:
+        return self.verdict.score()
+
 
 def rules_on(target: Target, slot: Slot, logged: Rules | None = None) -> Rules:
     """The target's rules on this slot; `logged` (a re-run's) in their place, except whether

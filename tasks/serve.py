@@ -99,6 +99,10 @@ class EngineOutcome:
     charge: Charge
     run_id: str
 
+    @property
+    def score(self) -> float | None:
+        return self.metrics.get("score") if self.verdict.status == PASS else None
+
 
 @task(name="evaluate-engine", cache_policy=NO_CACHE)
 def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_dir: Path, slots: list[Slot],

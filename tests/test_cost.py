@@ -68,6 +68,19 @@ def test_a_pool_prices_each_gpu_class_and_a_host_may_set_its_own(tmp_path):
     assert main(["pool", "release", "--pool", str(tmp_path / "bad.yaml")]) == 2
 
 
+def test_a_pool_without_prices_costs_the_shipped_ones_and_a_run_price_wins_over_every_other(tmp_path):
+    from gpu_pool.pool import DEFAULT_USD_PER_GPU_HOUR
+
+    (tmp_path / "pool.yaml").write_text(
+        "hosts:\n  - {name: a, address: 10.0.0.1, gpus: [0], gpu_class: h100}\n"
+        "  - {name: b, address: 10.0.0.2, gpus: [0], gpu_class: b200, usd_per_gpu_hour: 4.0}\n  - {name: c}\n")
+    pool = load_pool(tmp_path / "pool.yaml")
+    assert [(s.label, s.usd_per_gpu_hour) for s in pool.slots()] == [
+        ("a:gpu0", DEFAULT_USD_PER_GPU_HOUR["h100"]), ("b:gpu0", 4.0), ("c:cpu", 0.0)]
+    assert DEFAULT_USD_PER_GPU_HOUR["h100"] > 0 and DEFAULT_USD_PER_GPU_HOUR["cpu"] == 0
+    assert {s.usd_per_gpu_hour for s in pool.priced(1.25).slots()} == {1.25}
+
+
 def test_per_target_spend_and_cost_per_gain_in_leaderboard_and_report(tracker, capsys):
     scope = RunScope("rmsnorm", "qwen3-8b", TARGET, "h200")
     first = tracker.start_parent("optimization", scope, "first", {})

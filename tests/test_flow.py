@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from prefect.artifacts import Artifact
 
 from flows.optimize_op import optimize_op
@@ -79,3 +80,22 @@ def test_no_candidate_starts_that_would_end_after_the_wall_clock():
     progress.started -= 61  # 61 s gone: another 40 s candidate would end at 101 s
     assert not progress.may_launch(0)
     assert "would end after it" in progress.stop_reason()
+
+
+def test_a_gpu_hour_budget_stops_an_optimization_with_its_reason_and_a_run_priced_on_the_command_line(
+        prefect_server, tracking_home, capsys, tmp_path):
+    from cli.main import main
+
+    # An unpriced pool file of one CPU host, priced by the run: $ is counted without a price table
+    (tmp_path / "pool.yaml").write_text("hosts: [{name: local}]\n")
+    code = main(["optimize", "--op", "silu_mul", "--model", "tiny", "--proposer", "random", "--budget", "6",
+                 "--max-gpu-hours", "1e-6", "--usd-per-gpu-hour", "3", "--pool", str(tmp_path / "pool.yaml")])
+    assert code == 0, capsys.readouterr().err
+    tracker = Tracker(TrackingConfig.from_env())
+    [parent] = tracker.client.search_runs([tracker.experiment("silu_mul")], "tags.`infersmith.kind` = 'optimization'",
+                                          order_by=["attributes.start_time DESC"], max_results=1)  # this one
+    reason = json.loads(Path(tracker.client.download_artifacts(parent.info.run_id, "stop_reason.json")).read_text())
+    assert reason["reason"].startswith("GPU-hour budget of 1e-06: ")
+    m = parent.data.metrics
+    assert 1 <= m["candidates"] < 6 and m["stopped_early"] == 1.0  # those in flight finished, nothing new started
+    assert m["cost_usd"] == pytest.approx(m["gpu_seconds"] * 3 / 3600)

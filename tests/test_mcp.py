@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RMS = ROOT / "gauntlet" / "rmsnorm"
 
 
-def _server(home: Path) -> StdioServerParameters:
+def _server(home: Path, *extra: str) -> StdioServerParameters:
     """The installed command's module, on this checkout, against the test Prefect server."""
     from prefect.settings import get_current_settings
 
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env |= {"PYTHONPATH": str(ROOT), "PREFECT_API_URL": get_current_settings().api.url, "TRITON_INTERPRET": "1"}
     return StdioServerParameters(command=sys.executable, args=["-m", "cli", "mcp", "--model", "tiny",
-                                                               "--home", str(home)], env=env, cwd=str(ROOT))
+                                                               "--home", str(home), *extra], env=env, cwd=str(ROOT))
 
 
 def _data(result) -> object:
@@ -37,8 +37,8 @@ def _data(result) -> object:
     return result.structured_content.get("result", result.structured_content)
 
 
-async def _session(home: Path, calls):
-    async with stdio_client(_server(home)) as (read, write):
+async def _session(home: Path, calls, *extra: str):
+    async with stdio_client(_server(home, *extra)) as (read, write):
         async with ClientSession(read, write, client_info=Implementation(name="test agent", version="1")) as s:
             await s.initialize()
             return await calls(s)
@@ -164,3 +164,24 @@ def test_an_fp8_targets_server_offers_and_describes_the_fp8_ops_only(tmp_path, m
     listed, described = anyio.run(calls)
     assert {o["op"]: o["fits_target"] for o in listed} == {"linear": True, "fused_moe": False}  # tiny is dense
     assert "weight_scale" in described
+
+
+def test_a_session_budget_refuses_an_evaluate_past_it_and_tokens_are_logged_as_self_reported(prefect_server, tmp_path):
+    honest = (RMS / "honest_torch.py").read_text()
+
+    async def calls(s: ClientSession):
+        first = _data(await s.call_tool("evaluate", {"op": "rmsnorm", "source": honest, "output_tokens": 700}))
+        second = await s.call_tool("evaluate", {"op": "rmsnorm", "source": honest + "\n# again\n"})
+        return first, second
+
+    first, second = anyio.run(_session, tmp_path, calls, "--max-candidates", "1", "--max-gpu-hours", "5")
+    assert first["status"] == "pass"
+    assert second.is_error
+    assert "not judged: the session's budget of 1 candidates is spent (1 judged, 0 being judged)" in \
+        second.content[0].text
+    tracker = Tracker(TrackingConfig(uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                                     artifact_root=(tmp_path / "artifacts").as_uri()))
+    runs = [r for r in search(tracker, "rmsnorm") if r.data.tags.get(f"{T}kind") == "candidate"]
+    [run] = runs  # the refused one never reached MLflow
+    assert run.data.tags[f"{T}tokens"] == "self-reported"
+    assert run.data.metrics["self_reported_tokens"] == 700 and run.data.metrics["proposer_tokens"] == 700

@@ -87,3 +87,15 @@ def test_every_op_runs_on_every_target_as_subflows_and_a_failed_one_does_not_sto
         assert [r[name] for r in rows[:2]] == pytest.approx([m[name] for m in parents])
         assert rows[-1][name] == pytest.approx(sum(m[name] for m in parents))
     assert rows[-1]["gpu_hours"] > 0  # (this machine has no price: no dollars)
+
+
+def test_the_sweeps_gpu_hours_cap_each_optimization_by_what_is_left():
+    from flows.sweep import within
+
+    plan = SweepPlan.model_validate({"ops": ["rmsnorm"], "max_gpu_hours": 3.0, "targets": [
+        {"model": "tiny"}, {"model": "tiny", "budget": {"max_gpu_hours": 0.5}}]})
+    free, own = plan.targets
+    assert within(plan, free, 1.0).budget.max_gpu_hours == 2.0
+    assert within(plan, own, 1.0).budget.max_gpu_hours == 0.5  # its own is less
+    assert within(plan, free, 3.0) is None
+    assert within(plan.model_copy(update={"max_gpu_hours": None}), free, 9.0) is free

@@ -19,6 +19,8 @@ class Charge:
     cached_input_tokens: int = 0
     output_tokens: int = 0
     proposer_usd: float = 0.0
+    # Tokens the proposer said it spent (an agent over MCP), not counted from a provider's reply.
+    self_reported: bool = False
     stage_seconds: dict[str, float] = field(default_factory=dict)
     held: list[tuple[str, float, float]] = field(default_factory=list)  # (slot, from, to) epoch s, per attempt
 
@@ -47,4 +49,11 @@ class Charge:
     def token_metrics(self) -> dict[str, float]:
         return {"proposer_tokens": float(self.proposer_tokens), "proposer_input_tokens": float(self.input_tokens),
                 "proposer_cached_input_tokens": float(self.cached_input_tokens),
-                "proposer_output_tokens": float(self.output_tokens), "proposer_usd": self.proposer_usd}
+                "proposer_output_tokens": float(self.output_tokens), "proposer_usd": self.proposer_usd,
+                **({"self_reported_tokens": float(self.proposer_tokens)} if self.self_reported else {})}
+
+    @property
+    def token_source(self) -> str:
+        """Who counted the tokens: `counted` (the platform, from the provider's reply), `self-reported`
+        (the proposer's word), or "" when there were none."""
+        return "" if not self.proposer_tokens else "self-reported" if self.self_reported else "counted"

@@ -267,7 +267,7 @@ def _finish_tags(verdict: Verdict, charge: Charge) -> dict[str, str]:
             f"{T}held": json.dumps(charge.held),
             f"{T}device": verdict.device.get("name", ""),
             **{f"{T}{k}": verdict.device.get(k) or "" for k in ("torch", "triton", "cuda", "driver")},
-            f"{T}gpu_timing": str(verdict.gpu_timing).lower(),
+            f"{T}gpu_timing": str(verdict.gpu_timing).lower(), f"{T}tokens": charge.token_source,
             # screening findings (reference_fallback, reduced_precision, side_stream, ...): a
             # reader of the per-shape speed-ups must see that a reference_fallback's are torch's
             f"{T}flags": ",".join(sorted(verdict.flags))}
