@@ -195,6 +195,15 @@ def cmd_optimize_engine(args) -> int:
     if args.kernels_per_op < 0:
         raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
     target = _serve_target(args, args.budget, args.wall_clock)
+    if args.engine_spec:
+        from targets.engine_spec import SpecError, load_spec
+
+        if args.include:
+            raise UsageError("--include names kernels files of this project's engine, not of an --engine-spec")
+        try:
+            load_spec(args.engine_spec)
+        except SpecError as e:
+            raise UsageError(str(e)) from None
     include = [{"kernels": _kernels(k)} for k in args.include or []]
     pool, model_dir = serve_place(args, target)
     from flows.optimize_engine import optimize_engine
@@ -202,7 +211,7 @@ def cmd_optimize_engine(args) -> int:
     open_store()
     try:
         result = optimize_engine(model_dir, target, args.seed, args.kernels_per_op, include, pool,
-                                 proposer=args.proposer)
+                                 proposer=args.proposer, engine_spec=args.engine_spec)
     except _serve_errors() as e:
         print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
         return 1
@@ -249,5 +258,8 @@ def add_commands(sub) -> None:
                          "0: every op eager, only the engine's knobs searched)")
     oe.add_argument("--include", action="append", help="a kernels file to try first (repeatable)")
     oe.add_argument("--wall-clock", type=float, default=3600.0, help="seconds before proposing stops")
+    oe.add_argument("--engine-spec", help="search this server's flags instead of this project's engine: a shipped "
+                                          "spec (vllm, sglang, infersmith) or an engine spec file; its defaults are "
+                                          "the baseline")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)
