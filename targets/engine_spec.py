@@ -111,12 +111,12 @@ class EngineSpec(BaseModel):
         for name, knob in self.knobs.items():
             if not knob.holds(knob.default):
                 raise SpecError(f"knob {name}: default {knob.default!r} is outside its range ({_range(knob)})")
-            arg = knob.arg if isinstance(knob.arg, dict) else {"": knob.arg or ""}
+            arg = knob.arg if isinstance(knob.arg, dict) else {None: knob.arg or ""}
             if isinstance(knob.arg, dict):
                 missing = [v for v in knob.values() if v not in knob.arg]
                 if missing or any(not knob.holds(v) for v in knob.arg):
                     raise SpecError(f"knob {name}: arg must give a text for each of its values {knob.values()}")
-            texts |= {f"knob {name}'s arg": t for t in arg.values()}
+            texts |= {f"knob {name}'s arg" + ("" if v is None else f" for {v!r}"): t for v, t in arg.items()}
             for other, wanted in (knob.when or {}).items():
                 if other not in self.knobs or names.index(other) >= names.index(name):
                     raise SpecError(f"knob {name}: when names {other}, which is not a knob declared before it")
