@@ -195,6 +195,15 @@ def cmd_optimize_engine(args) -> int:
     if args.kernels_per_op < 0:
         raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
     target = _serve_target(args, args.budget, args.wall_clock, args.plateau)
+    if args.engine_spec:
+        from targets.engine_spec import SpecError, load_spec
+
+        if args.include:
+            raise UsageError("--include names kernels files of this project's engine, not of an --engine-spec")
+        try:
+            load_spec(args.engine_spec)
+        except SpecError as e:
+            raise UsageError(str(e)) from None
     include = [{"kernels": _kernels(k)} for k in args.include or []]
     pool, model_dir = serve_place(args, target)
     from flows.optimize_engine import optimize_engine
@@ -202,7 +211,7 @@ def cmd_optimize_engine(args) -> int:
     open_store()
     try:
         result = optimize_engine(model_dir, target, args.seed, args.kernels_per_op, include, pool,
-                                 proposer=args.proposer)
+                                 proposer=args.proposer, engine_spec=args.engine_spec)
     except _serve_errors() as e:
         print(f"infersmith: optimize-engine stopped: {e}", file=sys.stderr)
         return 1
@@ -254,5 +263,8 @@ def add_commands(sub) -> None:
     oe.add_argument("--max-gpu-hours", type=float, help="stop before the GPU-hours held would pass H")
     oe.add_argument("--usd-per-gpu-hour", type=float, help="this run's price of a GPU-hour (default: the pool "
                                                            "file's, else the shipped price of the GPU class)")
+    oe.add_argument("--engine-spec", help="search this server's flags instead of this project's engine: a shipped "
+                                          "spec (vllm, sglang, infersmith) or an engine spec file; its defaults are "
+                                          "the baseline")
     _add_serve_options(oe)
     oe.set_defaults(fn=cmd_optimize_engine)

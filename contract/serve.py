@@ -60,6 +60,7 @@ class ServeJob:
     pattern_timeout_s: float
     python: str  # the interpreter that runs the engine, the reference server and the balancer
     reference_model_dir: Path | None = None  # the reference's checkpoint, when not model_dir (FP8's bf16 original)
+    ready_path: str = "/v1/models"  # what the candidate and a command's baseline answer 200 on once ready
 
     @property
     def replica_envs(self) -> list[dict[str, str]]:
@@ -80,7 +81,8 @@ SPEC_NGRAM = 3  # the engine's default n-gram size (EngineConfig.spec_ngram)
 
 @dataclass(frozen=True)
 class EngineCandidate:
-    """One engine configuration: a kernels-file mapping plus the engine's knobs."""
+    """One engine configuration: a kernels-file mapping plus the engine's knobs; or, from an engine
+    spec file (`engine` names it), the knobs' settings and the server command they render to."""
 
     kernels: dict[str, dict] = field(default_factory=dict)
     block_size: int = 16
@@ -90,6 +92,9 @@ class EngineCandidate:
     spec_tokens: int = 0  # speculative decoding by prompt lookup: draft tokens per step; 0: off
     spec_ngram: int = 3  # the longest n-gram looked up (only with spec_tokens)
     origin: str = ""
+    engine: str = ""  # an engine spec file's engine: then only settings and command count
+    settings: dict = field(default_factory=dict)  # the spec's knobs that apply, by name
+    command: str = ""  # the server command, {port}, {model_dir}, {name}, {replica} left to fill in
 
     def __post_init__(self):
         if not self.spec_tokens:  # without speculation the n-gram size changes nothing: one configuration
@@ -99,14 +104,19 @@ class EngineCandidate:
     def id(self) -> str:
         """Content hash; a free kernel counts by its source, not its path. Speculation only when on,
         so that configurations from before it existed keep their ids."""
+        if self.engine:
+            body = {"engine": self.engine, "settings": self.settings, "command": self.command}
+            return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
         kernels = {op: {**c, "path": _sha(Path(c["path"]))} if c.get("impl") == "free" else c
                    for op, c in self.kernels.items()}
-        unset = {"spec_tokens", "spec_ngram"} if not self.spec_tokens else set()
+        unset = {"engine", "settings", "command"} | ({"spec_tokens", "spec_ngram"} if not self.spec_tokens else set())
         body = {k: v for k, v in asdict(self).items() if k != "origin" and k not in unset} | {"kernels": kernels}
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def label(self) -> str:
+        if self.engine:
+            return f"{self.engine}[{','.join(f'{k}={v}' for k, v in self.settings.items())}]"
         picked = ",".join(f"{op}={c.get('template') or c['impl']}" for op, c in sorted(self.kernels.items())
                           if c.get("impl") != "eager")
         spec = f",spec={self.spec_tokens}/{self.spec_ngram}" if self.spec_tokens else ""

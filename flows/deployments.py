@@ -76,7 +76,9 @@ def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> lis
         optimize_op.to_deployment(s.name(optimize_op.name), parameters=pool, description="Optimize one op for one "
                                   "target: every candidate a child run of the op's MLflow experiment.", **common),
         optimize_engine.to_deployment(s.name(optimize_engine.name), parameters=pool, description="Search engine "
-                                      "configurations end to end against the target's baseline.", **common),
+                                      "configurations end to end against the target's baseline; with engine_spec "
+                                      "(vllm, sglang, infersmith or a spec file's path), that server's flags against "
+                                      "its defaults.", **common),
         sweep.to_deployment(s.name(sweep.name), parameters={"plan": s.plan.model_dump(mode="json"), **pool},
                             schedules=nightly(sweep.name), description="Every op of the plan on every target of "
                             "it, each an optimize-op subflow.", **common),

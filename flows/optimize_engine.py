@@ -14,7 +14,9 @@ from flows.search import run_search
 from flows.search.engine import Session
 from gpu_pool.pool import Pool
 from proposers.engine import EngineProposer
+from proposers.engine_spec import SpecProposer
 from targets import Target
+from targets.engine_spec import load_spec, spec_path
 from tasks.serve import EngineOutcome, one_line
 from tracking.history import kernel_choices
 
@@ -22,20 +24,32 @@ from tracking.history import kernel_choices
 @flow(name="optimize-engine", log_prints=True)
 def optimize_engine(model_dir: str, target: Target = Target(), seed: int = 0, kernels_per_op: int = 2,
                     include: list[dict] | None = None, pool: Pool | None = None,
-                    proposer: ProposerName = "tpe") -> dict:
+                    proposer: ProposerName = "tpe", engine_spec: str | None = None) -> dict:
     """Engine configurations for one model directory through the serve stage, as many at once as
     the pool has free groups of slots of the class, each a child run of `infersmith-engine`, until
     the budget's rules stop it (count, wall clock, plateau, GPU-hours, $). `include`:
     configurations (EngineCandidate fields) to try first; then the proposer's over the op
-    leaderboards' kernels and the engine's knobs."""
-    s = Session("engine-optimization", f"optimize engine {Path(model_dir).name}", Path(model_dir), target, pool,
-                {"proposer": proposer, "seed": seed, "kernels_per_op": kernels_per_op, "include": include or []})
+    leaderboards' kernels and the engine's knobs. With `engine_spec` (a shipped spec's name — vllm,
+    sglang, infersmith — or a spec file's path): that server's knobs instead, against its defaults
+    as the baseline (docs/end-to-end.md)."""
+    spec = load_spec(engine_spec) if engine_spec else None
+    if spec:
+        if include:
+            raise ValueError("include names kernels files of this project's engine; an engine spec search has none")
+        target = target.model_copy(update={"serving": spec.serving(target.serving)})
+    s = Session("engine-optimization", f"optimize {spec.engine if spec else 'engine'} {Path(model_dir).name}",
+                Path(model_dir), target, pool, {"proposer": proposer, "seed": seed, "kernels_per_op": kernels_per_op,
+                                                "include": include or [], "engine_spec": engine_spec or ""})
     try:
         s.start()
-        options = kernel_choices(s.tracker, target.model, target.activation_dtype,
-                                 None if s.scope.gpu_class == "mixed" else s.scope.gpu_class, kernels_per_op,
-                                 s.out / "kernels")
-        search = EngineProposer(proposer, options, any(slot.gpu is not None for slot in s.slots), seed)
+        if spec:
+            s.tracker.client.log_text(s.parent, spec_path(engine_spec).read_text(), "engine_spec.yaml")
+            search = SpecProposer(spec, proposer, seed)
+        else:
+            options = kernel_choices(s.tracker, target.model, target.activation_dtype,
+                                     None if s.scope.gpu_class == "mixed" else s.scope.gpu_class, kernels_per_op,
+                                     s.out / "kernels")
+            search = EngineProposer(proposer, options, any(slot.gpu is not None for slot in s.slots), seed)
         print(f"optimizing the engine on {model_dir} for {s.scope.target_key} against {target.serving.baseline} "
               f"with {proposer} on {', '.join(slot.label for slot in s.slots)}; tracking run {s.parent}")
         stopped = run_search(s.search(search, [EngineCandidate.from_dict({"origin": "include", **d})

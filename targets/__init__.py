@@ -187,6 +187,8 @@ class Serving(BaseModel):
                           '{model_dir}, {name}, {replica}')
     max_model_len: PositiveInt = 4096
     start_timeout_s: PositiveFloat = Field(600.0, description="seconds a server may take to answer /v1/models")
+    ready_path: str = Field("/v1/models", pattern=r"^/", description="the path a candidate server (and a baseline "
+                            "command's) answers 200 on once it is ready, e.g. /health")
     replicas: PositiveInt = Field(1, description="copies of the candidate server, and of the baseline, each on its "
                                   "own GPU of one host, behind one load balancer")
     reference_model_dir: str | None = Field(None, description="the checkpoint the reference server loads, when not "
@@ -287,7 +289,7 @@ class Target(BaseModel):
         # replicas, the reference's directory and the prompts sent under load only when set: the
         # keys of runs from before those fields existed stay the same. Prompts under load are part
         # of the load both sides serve, so they count when sent.
-        unset: dict = {"start_timeout_s": True}
+        unset: dict = {"start_timeout_s": True, "ready_path": True}
         unset |= {"replicas": True} if self.serving.replicas == 1 else {}
         unset |= {"reference_model_dir": True} if self.serving.reference_model_dir is None else {}
         unset |= {"accuracy": {"under_load": True}} if self.serving.accuracy.under_load == 0 else {}

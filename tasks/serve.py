@@ -47,7 +47,7 @@ def job_for(target: Target, model_dir: Path, group: list[Slot]) -> ServeJob:
                     accuracy=target.accuracy_rules(), margin=s.margin, baseline=s.baseline,
                     start_timeout_s=s.start_timeout_s, pattern_timeout_s=target.budget.stage_timeout_s,
                     python=sys.executable if local else slot.host.python,
-                    reference_model_dir=_reference_dir(s.reference_model_dir, local))
+                    reference_model_dir=_reference_dir(s.reference_model_dir, local), ready_path=s.ready_path)
 
 
 def _reference_dir(path: str | None, local: bool) -> Path | None:
@@ -108,10 +108,11 @@ class EngineOutcome:
 def evaluate_engine(cand: EngineCandidate, run_id: str, target: Target, model_dir: Path, slots: list[Slot],
                     tracker: Tracker, reference: Reference, baseline: Baseline, out: Path,
                     command: str | None = None) -> EngineOutcome:
-    """The candidate (an engine configuration, or the server `command` starts) on leased slots, a
-    GPU per replica: accuracy, load, then the all-metrics gate against the baseline; recorded
-    whatever happens."""
+    """The candidate (an engine configuration, or the server `command` starts: by default, an
+    engine spec's configuration's own) on leased slots, a GPU per replica: accuracy, load, then
+    the all-metrics gate against the baseline; recorded whatever happens."""
     charge = Charge()
+    command = command or cand.command or None
 
     def attempt(group: list[Slot]) -> Served:
         job = job_for(target, model_dir, group)

@@ -159,7 +159,10 @@ def test_replicas_behind_the_balancer_process_and_one_killed(tmp_path):
         assert not group.alive
         assert group.death("during pattern x") == ("the candidate replica 1 (of 2) exited with code -9 during "
                                                    "pattern x; its log is kept (server-1.log)")
-    assert {p.name for p in tmp_path.iterdir()} == {"server-0.log", "server-1.log", "balancer.log"}
+    # each process's log, and beside it the exact command line it was started with
+    assert {p.name for p in tmp_path.iterdir()} == {f"{name}.{kind}" for name in ("server-0", "server-1", "balancer")
+                                                    for kind in ("log", "command")}
+    assert (tmp_path / "balancer.command").read_text().split()[1:3] == ["-m", "harness.serve.balancer"]
     # stopped with SIGTERM, the balancer says what each replica served: one request each, in turn
     served = re.findall(r"backend (\d+) \(.*\): (\d+) requests", (tmp_path / "balancer.log").read_text())
     assert served == [("0", "1"), ("1", "1")], (tmp_path / "balancer.log").read_text()

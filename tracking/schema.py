@@ -190,13 +190,21 @@ class Tracker:
     # -- engine configurations (the end-to-end stage) ------------------------------
     def open_engine_candidate(self, parent_id: str, scope: RunScope, cand: EngineCandidate, reruns: str = "") -> str:
         """A pending child run; a free kernel's source as `kernels/<op>.py` (its path is a scratch
-        file the flow removes), so that the configuration can be re-run."""
+        file the flow removes), so that the configuration can be re-run. A spec file's
+        configuration: `knob.<name>` params and its command line as `command.txt` (the exact one
+        each server ran, port filled in, is `serve/server.command`)."""
         tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
                 f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
                 f"{T}candidate_id": cand.id, f"{T}candidate": json.dumps(cand.to_dict(), sort_keys=True),
                 f"{T}proposer": cand.origin, f"{T}template": "engine", f"{T}pool_class": scope.gpu_class,
                 f"{T}gpu_class": scope.gpu_class} | ({f"{T}reruns": reruns} if reruns else {})
         run = self.client.create_run(self.experiment(scope.op), run_name=cand.label, tags=tags)
+        if cand.engine:  # an engine spec file's configuration: its knobs, and the command they make
+            params = {"candidate.id": cand.id, "engine": cand.engine,
+                      **{f"knob.{k}": json.dumps(v) if isinstance(v, bool) else v for k, v in cand.settings.items()}}
+            _batch(self.client, run.info.run_id, params=params)
+            self.client.log_text(run.info.run_id, cand.command + "\n", "command.txt")
+            return run.info.run_id
         params = {"candidate.id": cand.id, "engine.block_size": cand.block_size,
                   "engine.max_num_seqs": cand.max_num_seqs,
                   "engine.max_num_batched_tokens": cand.max_num_batched_tokens,

@@ -3,6 +3,7 @@ its output kept in a log file; and several replicas of one behind a load balance
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -30,18 +31,22 @@ def free_ports(n: int) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, label: str, argv: list[str], log_path: Path, env: dict[str, str], port: int):
+    def __init__(self, label: str, argv: list[str], log_path: Path, env: dict[str, str], port: int,
+                 ready_path: str = "/v1/models"):
         self.label, self.argv, self.log_path, self.env, self.port = label, argv, log_path, env, port
         self.url = f"http://127.0.0.1:{port}"
+        self.ready_path = ready_path
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> ServerProcess:
-        """Starts it and waits until GET /v1/models answers 200."""
+        """Starts it and waits until GET <ready_path> answers 200."""
         self.launch()
         return self.wait_ready(timeout_s)
 
     def launch(self) -> None:
+        """Starts it; the exact command line beside its log (server.log: server.command)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.with_suffix(".command").write_text(shlex.join(self.argv) + "\n")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
                                          start_new_session=True)
@@ -53,13 +58,13 @@ class ServerProcess:
                 raise ServerError(f"{self.label} exited with code {self.proc.returncode} while starting; "
                                   f"log: {self.log_tail(300)}")
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(POLL_S)
-        raise ServerError(f"{self.label} did not answer /v1/models within {timeout_s:g} s; "
+        raise ServerError(f"{self.label} did not answer {self.ready_path} within {timeout_s:g} s; "
                           f"log: {self.log_tail(300)}")
 
     @property
@@ -109,15 +114,15 @@ class Replicas:
     server-<i>.log, the balancer to balancer.log."""
 
     def __init__(self, label: str, argv_for: Callable[[int, int], list[str]], envs: list[dict[str, str]],
-                 out: Path, python: str):
+                 out: Path, python: str, ready_path: str = "/v1/models"):
         n = len(envs)
         ports = free_ports(n + (n > 1))
         if n == 1:
             self.servers = [ServerProcess(f"{label} server", argv_for(0, ports[0]), out / "server.log", envs[0],
-                                          ports[0])]
+                                          ports[0], ready_path)]
         else:
             self.servers = [ServerProcess(f"{label} replica {i} (of {n})", argv_for(i, ports[i]),
-                                          out / f"server-{i}.log", envs[i], ports[i]) for i in range(n)]
+                                          out / f"server-{i}.log", envs[i], ports[i], ready_path) for i in range(n)]
         self.balancer = None
         if n > 1:
             backends = [arg for s in self.servers for arg in ("--backend", s.url)]

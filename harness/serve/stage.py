@@ -111,8 +111,10 @@ def quantized(model_dir: Path) -> bool:
 
 
 def command_argv(command: str, job: ServeJob, port: int, replica: int = 0) -> list[str]:
-    """A server named by a shell-like command; {port}, {model_dir}, {name} and {replica} (0, 1, ...) are filled in."""
-    return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME, replica=replica))
+    """A server named by a shell-like command; {port}, {model_dir}, {name} and {replica} (0, 1, ...) are
+    filled in, and {python} (the host's) and {max_model_len} (the target's)."""
+    return shlex.split(command.format(port=port, model_dir=job.model_dir, name=SERVED_NAME, replica=replica,
+                                      python=job.python, max_model_len=job.max_model_len))
 
 
 def baseline_argv(job: ServeJob, port: int, replica: int = 0) -> list[str]:
@@ -142,8 +144,9 @@ def reference_answers(job: ServeJob, out: Path, rng: random.Random) -> tuple[Ref
 
 def measure_baseline(job: ServeJob, out: Path) -> dict[str, aiperf.PatternRun]:
     """The baseline server (an engine's by name, or a command's) under every pattern."""
+    ready = "/v1/models" if job.baseline in ENGINES else job.ready_path
     with Replicas("baseline", lambda i, port: baseline_argv(job, port, i), job.replica_envs, out,
-                  job.python) as server:
+                  job.python, ready) as server:
         server.start(job.start_timeout_s)
         # prompts of the same lengths as the candidate's (the held-out ones drawn afresh): the
         # same extra work under load, never judged
@@ -194,7 +197,7 @@ def serve_candidate(job: ServeJob, candidate_id: str, argv_for: Callable[[int, i
     result = Served(verdict)
     t0 = time.monotonic()
     judge_with = judge_with or reference_judge(reference, job.accuracy)
-    with Replicas("candidate", argv_for, job.replica_envs, out, job.python) as server:
+    with Replicas("candidate", argv_for, job.replica_envs, out, job.python, job.ready_path) as server:
         try:
             server.start(job.start_timeout_s)
         except ServerError as e:
