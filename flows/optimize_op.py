@@ -20,6 +20,7 @@ from gpu_pool.executors import prewarm
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
+from proposers import warm_start_for
 from proposers.base import KNOWLEDGE, point_key
 from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
@@ -29,9 +30,10 @@ from tracking.artifacts import Results
 from tracking.charts import log_optimization_charts
 from tracking.cost import per_gain_text
 from tracking.history import board, ceilings, trials
-from tracking.knowledge import KnowledgeBase, published_for, warm_points
+from tracking.knowledge import KnowledgeBase, published_for
 from tracking.knowledge.derive import write_drafts
 from tracking.ledger import Charge
+from tracking.mlflow_ui import compare_best
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
@@ -144,15 +146,15 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
           + ("" if llm else f" over template {template!r}") + f" on {', '.join(s.label for s in slots)}; "
           f"tracking run {parent}")
     kb = KnowledgeBase.from_env()
-    warm = warm_points(op, template, scope, kb) if warm_start and not llm else []
-    entries_of = {point_key(p): ",".join(ids) for p, ids in warm}
-    if warm:
-        print(f"warm start: {len(warm)} points from published knowledge ({', '.join(entries_of.values())})")
+    warm = warm_start_for("llm" if llm else proposer, op, template, scope, target.dtype, kb, warm_start)
+    print(warm.line())
+    entries_of = {point_key(p): ",".join(ids) for p, ids in warm.points}
     progress = Progress(target)
     held_out = target.held_out_shapes(spec)
     passed: list[Outcome] = []
     verdicts: dict[str, dict] = {}  # the results archive's, by run id
-    coder = LLMProposer(op, target, llm, [e.body for e in published_for(op, scope.gpu_class, kb)]) if llm else None
+    coder = LLMProposer(op, target, llm, [e.body for e in published_for(op, scope.gpu_class, kb)],
+                        warm.kernels) if llm else None
     orphans = tracker.orphaned_pending(scope, kind)
     if orphans:
         print(f"re-queueing {len(orphans)} candidates a stopped flow left pending")
@@ -188,7 +190,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                         replies |= {propose_code.submit(coder, history, ceil) for _ in range(n - len(batch))}
                     else:
                         fresh = propose(proposer, op, template, proposer_seed, history, n - len(batch),
-                                        [p for p, _ in warm], target.dtype)
+                                        [p for p, _ in warm.points], target.dtype)
                         batch += [(c, tracker.open_candidate(parent, scope, c, extra_tags={
                             "knowledge": entries_of[point_key(c.point)]} if c.origin == KNOWLEDGE else None), None)
                                   for c in fresh]
@@ -233,12 +235,15 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
     ranked = board(tracker, op, target.model, limit=10, target=target.key(),
                    gpu_class=None if scope.gpu_class == "mixed" else scope.gpu_class)
     rows = [e.__dict__ for e in ranked.entries]
+    compare = compare_best(tracker.cfg, tracker.experiment(op), [e.run_id for e in ranked.entries])
     left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
     spent = f"; {progress.tokens.proposer_tokens:,} tokens, ${progress.tokens.proposer_usd:.4f}" if llm else ""
     print(f"stopped: {reason}. {progress.passed}/{progress.done} passed"
           + (f"; best score {progress.top:.3g}x" if progress.top else "") + spent)
     spend = f"spent {progress.cost.text()} on {progress.done} candidates; {per_gain_text(progress.cost, progress.top)}"
     print(spend)
+    if compare:
+        print(f"compare the best candidates in MLflow: {compare}")
     create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({scope.gpu_class}): passed candidates, best "
@@ -247,12 +252,12 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
     if drafts:
         print(f"knowledge: draft entries {', '.join(drafts)}; a person publishes them with `infersmith kb publish ID`")
     metrics = progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)}
-    summary(f"optimize {op}", target.key(), scope.gpu_class, reason, metrics, spend)
+    summary(f"optimize {op}", target.key(), scope.gpu_class, reason, metrics, spend, compare)
     log_optimization_charts(tracker, parent, f"{op} {target.key()} ({scope.gpu_class})")
     tracker.finish_parent(parent, metrics, {"leaderboard.json": rows, "stop_reason.json": {"reason": reason},
                                             "held_out.json": [s.to_dict() for s in held_out],
                                             "knowledge.json": {"drafts": drafts,
-                                                               "warm_start": [ids for _, ids in warm]}})
+                                                               "warm_start": warm.to_dict()}})
     archive = results.publish(parent, {"leaderboard.json": rows, "metrics.json": metrics,
                                        "stop_reason.json": {"reason": reason}, "verdicts.json": verdicts,
                                        "target.json": target.model_dump(mode="json")})
@@ -262,12 +267,16 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
             **metrics}
 
 
-def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str) -> None:
-    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought."""
+def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str,
+            compare: str = "") -> None:
+    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought,
+    and the link to MLflow's comparison of its best candidates."""
     def row(name: str) -> str:
         return f"| {name} | {f'{metrics[name]:.4g}' if name in metrics else '-'} |"
 
     lines = [f"## {what}: {target_key} ({gpu_class})", "", f"Stopped: {reason}.", "", spend, "",
+             *([f"[Compare the best candidates in MLflow]({compare}): per-shape speed-ups, % of roofline, "
+                "GPU-hours, $ and tokens side by side.", ""] if compare else []),
              "| metric | value |", "| --- | --- |"]
     lines += [row(n) for n in ("candidates", "passed", "best_score", "gpu_hours", "cost_usd", "proposer_tokens",
                                "proposer_usd", "total_usd", "reference_gpu_hours", "baseline_gpu_hours", "gain_pct",

@@ -45,7 +45,9 @@ def last_flow_log() -> str:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import FlowRunSort, LogSort
+    from prefect.logging.handlers import APILogHandler
 
+    APILogHandler().flush()  # the flow's last lines may still wait in this process's batch
     with get_client(sync_client=True) as client:
         [run] = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), sort=LogSort.TIMESTAMP_ASC)
