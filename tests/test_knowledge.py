@@ -183,7 +183,7 @@ def test_the_warm_start_names_what_it_used_and_why_it_skipped_the_rest(tmp_path)
 
     tpe = warm_start_for("tpe", "rmsnorm", "rows", SCOPE, "fp32", kb)
     assert tpe.points == [(P1, [point.id])]
-    assert tpe.line() == (f"warm start: 1 points from published knowledge; used {point.id}; skipped "
+    assert tpe.line() == (f"warm start: 1 point from published knowledge; used {point.id}; skipped "
                           f"{own.id} (this target's own: its runs are the history); {near.id} (free kernel: no "
                           f"template point); {far.id} (free kernel: no template point)")
     # the LLM reads the nearest kernels (its own target's too), the same GPU class before a better score
@@ -229,7 +229,7 @@ def test_a_published_free_kernel_reaches_the_next_llm_run_first_prompt(prefect_s
 
     out, requests = optimize("tiny-moe")
     ids = sorted(e.id for e in drafts)
-    assert f"warm start: 1 kernels from published knowledge; used {', '.join(ids)}" in out
+    assert f"warm start: 1 kernel from published knowledge; used {', '.join(ids)}" in out
     first = requests[0]["body"]["messages"][1]["content"]
     assert "## Published kernels" in first and module.strip() in first
     assert "measured on target `tiny/fp32/d1-4/p40/c48`" in first

@@ -36,8 +36,8 @@ class WarmStart:
             return f"warm start: off ({self.off})"
         if not self.used and not self.skipped:
             return f"warm start: none (no published knowledge of {self.op})"
-        what = (f"{len(self.points)} points" if self.points else f"{len(self.kernels)} kernels" if self.kernels
-                else "nothing")
+        n, kind = (len(self.points), "point") if self.points else (len(self.kernels), "kernel")
+        what = f"{n} {kind}{'s' if n != 1 else ''}" if n else "nothing"
         used = f"used {', '.join(self.used)}" if self.used else "used none"
         skipped = "; ".join(f"{i} ({why})" for i, why in self.skipped)
         return f"warm start: {what} from published knowledge; {used}" + (f"; skipped {skipped}" if skipped else "")
