@@ -75,11 +75,11 @@ class Published:
 def published(group: Sequence[Entry]) -> Published:
     """One winner's published entries (tracking.knowledge.for_code's groups) as a prompt shows them."""
     e, w = group[0], group[0].winner
+    source = (w.get("source") or None) if w["kind"] == "free" else None
     return Published(e.target, e.gpu_class, e.device, e.gpu_timing,
                      [{"id": x.id, "shape_class": x.shape_class, "shapes": x.shapes, "score": x.score,
                        "vs_compile": x.vs_compile, "vs_eager": x.vs_eager} for x in group],
-                     w.get("source") or None if w["kind"] == "free" else None, w.get("template"),
-                     dict(w.get("point") or {}), w.get("summary", ""))
+                     source, w.get("template"), dict(w.get("point") or {}), w.get("summary", ""))
 
 
 @dataclass(frozen=True)
