@@ -132,12 +132,14 @@ class LLMSettings(BaseModel):
 
 
 def _secret(name: str) -> str:
+    import httpx
     from prefect.blocks.system import Secret
 
     try:
         value = Secret.load(name, _sync=True).get()
-    except ValueError as e:  # no such block (or not a Secret): Prefect's message names it, never a value
-        raise SettingsError(f"the Prefect Secret block {name} cannot be read: {str(e).splitlines()[0]}") from None
+    except (ValueError, httpx.HTTPError) as e:  # no such block, not a Secret, no API: never a value in it
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SettingsError(f"the Prefect Secret block {name} cannot be read: {why}") from None
     if not isinstance(value, str) or not value:
         raise SettingsError(f"the Prefect Secret block {name} holds no key (an empty or non-text value)")
     return value
