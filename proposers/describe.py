@@ -240,7 +240,7 @@ def render_kernels(kernels: Sequence[Published]) -> list[str]:
     for i, k in enumerate(kernels, 1):
         timed = f"timed on {k.device or k.gpu_class}" if k.gpu_timing else "timed by the CPU interpreter"
         out += ["", f"### {i}. measured on target `{k.target}`, GPU class {k.gpu_class} ({timed})",
-                *([f"> {k.summary}"] if k.summary else []),
+                *([f"> {k.summary}"] if k.summary else []), "",
                 "| entry | shapes | verdict | vs best baseline | vs torch.compile | vs eager |", "|---|---|---|---|---|---|"]
         out += [f"| {e['id']} | {', '.join(e['shapes'])} | pass | {_speed(e['score'])} | {_speed(e['vs_compile'])} "
                 f"| {_speed(e['vs_eager'])} |" for e in k.entries]
