@@ -100,17 +100,20 @@ def build_server(target: Target, pool: Pool, budget: SessionBudget | None = None
     def describe_op(op: str) -> str:
         """Everything needed to write a candidate for `op`, as Markdown: signature, reference, the
         baseline, how inputs are built, the shapes timed with their bytes, FLOPs and roofline, the
-        GPU's ceilings, the template to start from, the published knowledge for the op and the pool's
-        GPU class, the best passed candidates and the last failures."""
+        GPU's ceilings, the template to start from, the published kernels of the nearest targets and
+        the published knowledge for the op and the pool's GPU class, the best passed candidates and
+        the last failures."""
         from proposers.describe import describe, render
-        from tracking.knowledge import published_for
+        from tracking.knowledge import KnowledgeBase, for_code, published_for
 
         fitting(op)
         tracker = Tracker(TrackingConfig.from_env())
         scope = scope_for(op, target, pool)
+        kb = KnowledgeBase.from_env()
         return render(describe(op, target, trials(tracker, scope, None),
                                ceilings(tracker, scope.gpu_class, target.dtype),
-                               knowledge=[e.body for e in published_for(op, scope.gpu_class)]))
+                               knowledge=[e.body for e in published_for(op, scope.gpu_class, kb)],
+                               kernels=for_code(op, scope, target.dtype, kb).kernels))
 
     @server.tool()
     def search_knowledge(query: str, op: str | None = None) -> list[dict[str, Any]]:

@@ -169,7 +169,9 @@ def cmd_up(args) -> int:
         return 130
     with temporary_settings({PREFECT_API_URL: s.prefect_api}):
         _print_deployed(names, deploy, s.prefect_ui)
-    print(f"Prefect UI: {s.prefect_ui}\nMLflow UI:  {s.mlflow_ui}\n"
+    from tracking.mlflow_ui import experiments_url
+
+    print(f"Prefect UI: {s.prefect_ui}\nMLflow UI:  {experiments_url(s.mlflow_ui)}\n"
           f"a worker of work pool {s.work_pool} runs their flows; Ctrl-C or `infersmith down` stops them",
           flush=True)
     code = 0

@@ -43,6 +43,8 @@ def cmd_leaderboard(args) -> int:
     tracker = Tracker(TrackingConfig.from_env())
     if op == ENGINE:
         return _engine_leaderboard(tracker, engine_board(tracker, args.limit, args.model), args.model)
+    from tracking.mlflow_ui import COMPARED, compare_best
+
     ranked = board(tracker, op, args.model, args.limit)
     rows = ranked.entries
     n = ranked.fallbacks
@@ -62,6 +64,8 @@ def cmd_leaderboard(args) -> int:
               f"{e.label}  [{e.target}]{note}  {e.run_id}")
     if left_out:
         print(left_out)
+    print(f"compare the best {min(len(rows), COMPARED)} side by side in MLflow: "
+          f"{compare_best(tracker.cfg, tracker.experiment(op), [e.run_id for e in rows])}")
 
     def best(target: str, gpu_class: str) -> float | None:
         top = board(tracker, op, limit=1, target=target, gpu_class=gpu_class or None).entries

@@ -74,7 +74,9 @@ def declarations(s: DeploySettings, scheduled: Collection[str] = NIGHTLY) -> lis
 
     return [_closed(d) for d in (
         optimize_op.to_deployment(s.name(optimize_op.name), parameters=pool, description="Optimize one op for one "
-                                  "target: every candidate a child run of the op's MLflow experiment.", **common),
+                                  "target: every candidate a child run of the op's MLflow experiment. With the llm "
+                                  "proposer, llm.api_key_secret names the Prefect Secret block holding the API key "
+                                  "(never the key).", **common),
         optimize_engine.to_deployment(s.name(optimize_engine.name), parameters=pool, description="Search engine "
                                       "configurations end to end against the target's baseline; with engine_spec "
                                       "(vllm, sglang, infersmith or a spec file's path), that server's flags against "

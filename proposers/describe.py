@@ -21,6 +21,7 @@ from tracking.trials import PENDING, Ceilings, Trial
 
 if TYPE_CHECKING:
     from targets import Target
+    from tracking.knowledge import Entry
 
 # A gate's detail names the seed of the inputs it failed on (harness/judging.py): the seeds are
 # the oracle's, so a description keeps the distribution and drops the number.
@@ -57,6 +58,31 @@ class Tried:
 
 
 @dataclass(frozen=True)
+class Published:
+    """A published winner on a target near this one: its code and what it measured there."""
+
+    target: str
+    gpu_class: str
+    device: str
+    gpu_timing: bool
+    entries: list[dict]  # per shape class: id, shape_class, shapes, score, vs_compile, vs_eager
+    source: str | None = None  # a free kernel's module
+    template: str | None = None
+    point: dict = field(default_factory=dict)
+    summary: str = ""
+
+
+def published(group: Sequence[Entry]) -> Published:
+    """One winner's published entries (tracking.knowledge.for_code's groups) as a prompt shows them."""
+    e, w = group[0], group[0].winner
+    source = (w.get("source") or None) if w["kind"] == "free" else None
+    return Published(e.target, e.gpu_class, e.device, e.gpu_timing,
+                     [{"id": x.id, "shape_class": x.shape_class, "shapes": x.shapes, "score": x.score,
+                       "vs_compile": x.vs_compile, "vs_eager": x.vs_eager} for x in group],
+                     source, w.get("template"), dict(w.get("point") or {}), w.get("summary", ""))
+
+
+@dataclass(frozen=True)
 class OpDescription:
     op: str
     signature: str
@@ -81,6 +107,8 @@ class OpDescription:
     # Published knowledge entries for the op and the pool's GPU class (tracking.knowledge
     # .published_for): their text. A draft never gets here.
     knowledge: list[str] = field(default_factory=list)
+    # The winners published on the nearest targets, nearest first: where a search starts.
+    kernels: list[Published] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,10 +146,12 @@ def last_failures(history: Sequence[Trial], n: int) -> list[Trial]:
 
 
 def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: Ceilings | None = None,
-             top: int = 3, failures: int = 5, knowledge: Sequence[str] = ()) -> OpDescription:
+             top: int = 3, failures: int = 5, knowledge: Sequence[str] = (),
+             kernels: Sequence[Sequence[Entry]] = ()) -> OpDescription:
     """The description of `op_name` for `target`, given every trial tracking holds for them, the
-    ceilings of the pool's GPU class (None where none were measured yet) and the text of the
-    published knowledge entries for the op and that class."""
+    ceilings of the pool's GPU class (None where none were measured yet), the text of the
+    published knowledge entries for the op and that class, and the published winners of the
+    nearest targets (tracking.knowledge.for_code)."""
     op = get_op(op_name, target.dtype)
     w, dtype = target.workload, activation_dtype(target.dtype)
     shapes = []
@@ -140,7 +170,7 @@ def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: C
         template_space=dict(template.space), template_default=dict(template.default),
         best=[_tried(t, labels) for t in best_passed(history, top)],
         failures=[_tried(t, labels) for t in last_failures(history, failures)],
-        tried=len(history), knowledge=list(knowledge))
+        tried=len(history), knowledge=list(knowledge), kernels=[published(g) for g in kernels])
 
 
 def _fence(code: str) -> str:
@@ -192,10 +222,31 @@ def render_op(d: OpDescription) -> str:
     out += ["", f"## Starting point: template `{d.template}`",
             f"`build(**point)` returns the op's function. Space: {json.dumps(d.template_space)}; "
             f"default {json.dumps(d.template_default)}.", _fence(d.template_source), ""]
+    if d.kernels:
+        out += render_kernels(d.kernels)
     if d.knowledge:
         out += ["## Published knowledge: what won before, and what failed (reviewed by a person)", "",
                 *d.knowledge, ""]
     return "\n".join(out) + "\n"
+
+
+def _speed(x: float | None) -> str:
+    return f"{x:.3g}x" if x else "-"
+
+
+def render_kernels(kernels: Sequence[Published]) -> list[str]:
+    out = ["## Published kernels: the winners on the nearest targets, nearest first (reviewed by a person)",
+           "Each passed every gate there; its speed-ups were measured on that target, not on this one."]
+    for i, k in enumerate(kernels, 1):
+        timed = f"timed on {k.device or k.gpu_class}" if k.gpu_timing else "timed by the CPU interpreter"
+        out += ["", f"### {i}. measured on target `{k.target}`, GPU class {k.gpu_class} ({timed})",
+                *([f"> {k.summary}"] if k.summary else []), "",
+                "| entry | shapes | verdict | vs best baseline | vs torch.compile | vs eager |", "|---|---|---|---|---|---|"]
+        out += [f"| {e['id']} | {', '.join(e['shapes'])} | pass | {_speed(e['score'])} | {_speed(e['vs_compile'])} "
+                f"| {_speed(e['vs_eager'])} |" for e in k.entries]
+        out.append(_fence(k.source) if k.source is not None
+                   else f"Template `{k.template}` at point {json.dumps(k.point, sort_keys=True)}.")
+    return out + [""]
 
 
 def render_history(d: OpDescription) -> str:

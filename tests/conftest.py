@@ -40,6 +40,20 @@ def prefect_server():
         yield
 
 
+def last_flow_log() -> str:
+    """The lines the latest flow run logged (its prints), as Prefect's server holds them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import FlowRunSort, LogSort
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the flow's last lines may still wait in this process's batch
+    with get_client(sync_client=True) as client:
+        [run] = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC, limit=1)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])), sort=LogSort.TIMESTAMP_ASC)
+    return "\n".join(log.message for log in logs)
+
+
 def pytest_configure(config):
     """Bytecode for the harness's trees before any test runs: a stage's integrity gate takes
     a .pyc that appears under contract/, harness/ or engine_templates/ while its candidate runs for the

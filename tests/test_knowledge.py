@@ -4,11 +4,17 @@ under Prefect's test server, tracked in MLflow on SQLite."""
 from __future__ import annotations
 
 import pytest
+from conftest import CANDIDATES, last_flow_log
+
+# Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
+# not the capsys stream of whichever test would import it first (closed after that test).
+from prefect import flow  # noqa: F401
+from scripted_llm import ScriptedLLM, Turn
 
 from cli.main import main
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE
 from flows.optimize_op import optimize_op
-from proposers import make_proposer
+from proposers import make_proposer, warm_start_for
 from proposers.base import KNOWLEDGE
 from proposers.describe import describe, render
 from targets import Target
@@ -25,10 +31,10 @@ SCOPE = RunScope("rmsnorm", "tiny-moe", "tiny-moe/fp32/d1-4/p40/c48", "cpu")
 
 
 def entry(point: dict, target: str = "tiny/fp32/d1-4/p40/c48", shape_class: str = "decode",
-          score: float = 1.5) -> Entry:
+          score: float = 1.5, cid: str = "c0ffee") -> Entry:
     model, dtype = target.split("/")[:2]
     return Entry(op="rmsnorm", shape_class=shape_class, gpu_class="cpu", target=target, model=model, dtype=dtype,
-                 shapes=["decode_b1"], winner={"candidate_id": "c0ffee", "kind": "template", "template": "rows",
+                 shapes=["decode_b1"], winner={"candidate_id": cid, "kind": "template", "template": "rows",
                                                "point": point, "source_sha256": "", "proposer": "tpe",
                                                "summary": "two rows a program", "run_id": "r1"},
                  score=score, vs_compile=None, vs_eager=score, gpu_timing=False, device="cpu",
@@ -155,3 +161,81 @@ def test_an_optimization_drafts_entries_and_published_ones_start_the_next_preset
     assert [r.data.tags[f"{T}knowledge"].split(",") for r in started] == [ids for _, ids in warm]
     assert [{k.removeprefix("point."): int(v) for k, v in r.data.params.items() if k.startswith("point.")}
             for r in started] == [p for p, _ in warm]
+
+
+def free_entry(source: str, target: str, gpu_class: str = "cpu", score: float = 2.0, cid: str = "f00d") -> Entry:
+    e = entry({}, target=target, shape_class="prefill", score=score)
+    e.gpu_class = gpu_class
+    e.winner = e.winner | {"candidate_id": cid, "kind": "free", "template": None, "source": source,
+                           "source_sha256": "ab12", "proposer": "llm:coder"}
+    return e
+
+
+def test_the_warm_start_names_what_it_used_and_why_it_skipped_the_rest(tmp_path):
+    kb = KnowledgeBase(tmp_path / "kb")
+    point, own = kb.add(entry(P1)), kb.add(entry(P2, target=SCOPE.target_key, cid="bead"))
+    near = kb.add(free_entry("def rmsnorm(x, weight, eps):  # near\n    return x\n", "tiny/fp32/d1-4/p40/c48"))
+    far = kb.add(free_entry("def rmsnorm(x, weight, eps):  # far\n    return x\n", "qwen3-8b/bf16/d1-4/p40/c48",
+                            gpu_class="h100", score=9.0, cid="beef"))
+    for e in (point, own, near, far):
+        kb.move(e.id, PUBLISHED, by="ada")
+    assert "  # near\n" in kb.get(near.id).text()  # the source reads as code in the entry's file
+
+    tpe = warm_start_for("tpe", "rmsnorm", "rows", SCOPE, "fp32", kb)
+    assert tpe.points == [(P1, [point.id])]
+    assert tpe.line() == (f"warm start: 1 point from published knowledge; used {point.id}; skipped "
+                          f"{own.id} (this target's own: its runs are the history); {near.id} (free kernel: no "
+                          f"template point); {far.id} (free kernel: no template point)")
+    # the LLM reads the nearest kernels (its own target's too), the same GPU class before a better score
+    llm = warm_start_for("llm", "rmsnorm", "rows", SCOPE, "fp32", kb)
+    assert [[e.id for e in g] for g in llm.kernels] == [[own.id], [near.id], [point.id]]
+    assert llm.skipped == [(far.id, "farther than the 3 nearest kernels")]
+    prompt = render(describe("rmsnorm", Target(model="tiny-moe", dtype="fp32"), [], kernels=llm.kernels))
+    assert "  # near\n" in prompt and "  # far" not in prompt
+    assert f"| {near.id} | decode_b1 | pass | 2x |" in prompt and "measured on target `tiny/fp32/d1-4/p40/c48`" in prompt
+    assert warm_start_for("random", "rmsnorm", "rows", SCOPE, "fp32", kb).line() == \
+        "warm start: off (random is the uniform baseline: it starts cold)"
+    assert warm_start_for("tpe", "silu_mul", "rows", SCOPE, "fp32", kb).line() == \
+        "warm start: none (no published knowledge of silu_mul)"
+
+
+def test_a_published_free_kernel_reaches_the_next_llm_run_first_prompt(prefect_server, tmp_path, monkeypatch,
+                                                                        capsys):
+    """An LLM's winning module, published, is in the first request an LLM run on another preset
+    sends, with the target it was measured on and its speed-up; a TPE run says it skipped it."""
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("INFERSMITH_TEST_LLM_KEY", "sk-test-knowledge")
+    module = (CANDIDATES / "rmsnorm" / "honest_torch.py").read_text().replace("import torch",
+                                                                               "import torch  # the published one")
+
+    def optimize(model: str, *argv: str) -> tuple[str, list[dict]]:
+        with ScriptedLLM([Turn(f"Here it is.\n\n```python\n{module}```\n", 900, 0, 100)]) as llm:
+            code = main(["optimize", "--op", "rmsnorm", "--model", model, "--dtype", "fp32", "--budget", "1",
+                         "--proposer", "llm", "--llm-provider", "openai", "--llm-model", "scripted-coder",
+                         "--llm-base-url", llm.url + "/v1", "--llm-api-key-env", "INFERSMITH_TEST_LLM_KEY",
+                         "--llm-max-retries", "0", "--llm-timeout", "30", *argv] if argv != ("tpe",) else
+                        ["optimize", "--op", "rmsnorm", "--model", model, "--dtype", "fp32", "--budget", "1"])
+            assert code == 0, capsys.readouterr()
+            return last_flow_log(), llm.requests
+
+    out, _ = optimize("tiny")
+    assert "warm start: none (no published knowledge of rmsnorm)" in out
+    kb = KnowledgeBase.from_env()
+    drafts = kb.entries(DRAFT, "rmsnorm")
+    assert drafts and all(e.winner["kind"] == "free" and e.winner["source"] == module for e in drafts)
+    for e in drafts:
+        kb.move(e.id, PUBLISHED, by="ada")
+
+    out, requests = optimize("tiny-moe")
+    ids = sorted(e.id for e in drafts)
+    assert f"warm start: 1 kernel from published knowledge; used {', '.join(ids)}" in out
+    first = requests[0]["body"]["messages"][1]["content"]
+    assert "## Published kernels" in first and module.strip() in first
+    assert "measured on target `tiny/fp32/d1-4/p40/c48`" in first
+    for e in drafts:
+        assert f"| {e.id} | {', '.join(e.shapes)} | pass | {e.score:.3g}x |" in first
+
+    out, _ = optimize("tiny-moe", "tpe")
+    line = next(x for x in out.splitlines() if x.startswith("warm start:"))
+    assert all(f"{i} (free kernel: no template point)" in line for i in ids), line

@@ -139,6 +139,8 @@ def test_an_agent_reads_published_knowledge_and_never_a_draft(prefect_server, tm
     assert [e["id"] for e in found] == [published.id] and found[0]["text"].startswith("PUBLISHED")
     text = described.content[0].text
     assert "PUBLISHED: two rows a program" in text and "DRAFT" not in text
+    # its winner is a starting point too, with the target it was measured on and its speed-up
+    assert f"| {published.id} | decode_1 | pass | 1.2x |" in text and "target `tiny/bf16/d1-4/p40/c48`" in text
 
 
 def test_an_fp8_targets_server_offers_and_describes_the_fp8_ops_only(tmp_path, monkeypatch):

@@ -16,6 +16,11 @@ from mlflow.tracking import MlflowClient
 
 from tracking.errors import TrackingStoreError
 
+# The experiment tag MLflow 3's UI reads to choose an experiment's first page: marked as model
+# development, it opens on the runs table rather than on the GenAI overview of traces. (MLflow
+# 3.17's UI follows its own GenAI / Model training switch instead: tracking/mlflow_ui.py.)
+KIND_TAG, MODEL_DEVELOPMENT = "mlflow.experimentKind", "custom_model_development"
+
 
 def home() -> Path:
     """The tracking home: INFERSMITH_HOME, or ./.infersmith."""
@@ -72,10 +77,12 @@ def experiment_id(c: MlflowClient, cfg: TrackingConfig, op: str) -> str:
     name = f"infersmith-{op}"
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(KIND_TAG) != MODEL_DEVELOPMENT:  # made before infersmith marked its experiments
+            c.set_experiment_tag(exp.experiment_id, KIND_TAG, MODEL_DEVELOPMENT)
         return exp.experiment_id
     try:
         return c.create_experiment(name, artifact_location=cfg.artifact_root and f"{cfg.artifact_root}/{op}",
-                                   tags={"infersmith.op": op})
+                                   tags={"infersmith.op": op, KIND_TAG: MODEL_DEVELOPMENT})
     except mlflow.exceptions.MlflowException as e:
         raced = c.get_experiment_by_name(name)  # another flow created it between our look and our create
         if raced is not None:

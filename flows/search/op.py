@@ -19,6 +19,7 @@ from gpu_pool.executors import prewarm
 from gpu_pool.health import HEALTH
 from gpu_pool.leases import ensure_limits, free_slots
 from gpu_pool.pool import Pool, Slot, local_pool
+from proposers import warm_start_for
 from proposers.base import KNOWLEDGE, point_key
 from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
@@ -26,7 +27,7 @@ from tasks.evaluate import Outcome, evaluate, one_line
 from tasks.propose import propose, propose_code
 from tracking.artifacts import Results
 from tracking.history import ceilings, trials
-from tracking.knowledge import KnowledgeBase, published_for, warm_points
+from tracking.knowledge import KnowledgeBase, published_for
 from tracking.ledger import Charge
 from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
@@ -94,7 +95,8 @@ class OpSession:
             self.params["llm"] = self.llm.model_dump(mode="json", exclude={"prices"}) | {
                 "price": self.llm.price and self.llm.price.model_dump()}
         self.kb = KnowledgeBase.from_env()
-        self.warm = warm_points(op, self.template, self.scope, self.kb) if warm_start and not self.llm else []
+        self.warm = warm_start_for("llm" if self.llm else proposer, op, self.template, self.scope, target.dtype,
+                                   self.kb, warm_start)
         self.progress = Progress(target)
         self.held_out = target.held_out_shapes(spec)
         self.passed: list[Outcome] = []
@@ -113,9 +115,7 @@ class OpSession:
         print(f"optimizing {self.op} for {self.target.key()} with {self.origin}"
               + ("" if self.llm else f" over template {self.template!r}")
               + f" on {', '.join(s.label for s in self.slots)}; tracking run {self.parent}")
-        if self.warm:
-            print(f"warm start: {len(self.warm)} points from published knowledge "
-                  f"({', '.join(','.join(ids) for _, ids in self.warm)})")
+        print(self.warm.line())
 
     def search(self) -> Search[Ready, Outcome]:
         """The loop's view of this search: orphans first, then the proposer or the LLM."""
@@ -174,12 +174,13 @@ class Proposed:
 
     def __init__(self, s: OpSession):
         self.s, self.exhausted = s, None
-        self.entries_of = {point_key(p): ",".join(ids) for p, ids in s.warm}
+        self.entries_of = {point_key(p): ",".join(ids) for p, ids in s.warm.points}
 
     def take(self, n: int) -> list[Ready]:
         s = self.s
         history = trials(s.tracker, s.scope, s.read)
-        fresh = propose(s.proposer, s.op, s.template, s.seed, history, n, [p for p, _ in s.warm], s.target.dtype)
+        fresh = propose(s.proposer, s.op, s.template, s.seed, history, n, [p for p, _ in s.warm.points],
+                        s.target.dtype)
         self.exhausted = None if fresh else f"the template's space has nothing new ({len(history)} points tried)"
         return [Ready(c, s.tracker.open_candidate(s.parent, s.scope, c, extra_tags={
             "knowledge": self.entries_of[point_key(c.point)]} if c.origin == KNOWLEDGE else None)) for c in fresh]
@@ -191,7 +192,8 @@ class Coded:
 
     def __init__(self, s: OpSession):
         self.s = s
-        self.coder = LLMProposer(s.op, s.target, s.llm, [e.body for e in published_for(s.op, s.scope.gpu_class, s.kb)])
+        self.coder = LLMProposer(s.op, s.target, s.llm, [e.body for e in published_for(s.op, s.scope.gpu_class, s.kb)],
+                                 s.warm.kernels)
         # The SDK retries a request itself; past every try and its backoff the reply is given up.
         self.timeout_s = s.llm.timeout_s * (s.llm.max_retries + 1) + 120.0
 

@@ -13,6 +13,7 @@ from tracking.charts import log_optimization_charts
 from tracking.cost import per_gain_text
 from tracking.history import board
 from tracking.knowledge.derive import write_drafts
+from tracking.mlflow_ui import compare_best
 
 
 def time_on_held_out(s: OpSession) -> list[Outcome]:
@@ -41,9 +42,12 @@ def publish_op(s: OpSession, stopped: Stopped) -> dict:
     ranked = board(s.tracker, op, target.model, limit=10, target=target.key(),
                    gpu_class=None if s.scope.gpu_class == "mixed" else s.scope.gpu_class)
     rows = [e.__dict__ for e in ranked.entries]
+    compare = compare_best(s.tracker.cfg, s.tracker.experiment(op), [e.run_id for e in ranked.entries])
     left_out = f"{ranked.fallbacks} reference_fallback candidates left out (torch's own implementation)"
     spend = f"spent {progress.cost.text()} on {progress.done} candidates; {per_gain_text(progress.cost, progress.top)}"
     print(spend)
+    if compare:
+        print(f"compare the best candidates in MLflow: {compare}")
     create_table_artifact(table=rows or [{"result": left_out if ranked.fallbacks else "no candidate passed"}],
                           key=f"leaderboard-{op.replace('_', '-')}",
                           description=f"{op} on {target.key()} ({s.scope.gpu_class}): passed candidates, best "
@@ -52,12 +56,12 @@ def publish_op(s: OpSession, stopped: Stopped) -> dict:
     if drafts:
         print(f"knowledge: draft entries {', '.join(drafts)}; a person publishes them with `infersmith kb publish ID`")
     metrics = progress.metrics() | {"stopped_early": float(progress.done < target.budget.candidates)}
-    summary(f"optimize {op}", target.key(), s.scope.gpu_class, reason, metrics, spend)
+    summary(f"optimize {op}", target.key(), s.scope.gpu_class, reason, metrics, spend, compare)
     log_optimization_charts(s.tracker, s.parent, f"{op} {target.key()} ({s.scope.gpu_class})")
     s.tracker.finish_parent(s.parent, metrics, {
         "leaderboard.json": rows, "stop_reason.json": {"reason": reason},
         "held_out.json": [sh.to_dict() for sh in s.held_out],
-        "knowledge.json": {"drafts": drafts, "warm_start": [ids for _, ids in s.warm]}})
+        "knowledge.json": {"drafts": drafts, "warm_start": s.warm.to_dict()}})
     archive = s.results.publish(s.parent, {"leaderboard.json": rows, "metrics.json": metrics,
                                            "stop_reason.json": {"reason": reason}, "verdicts.json": s.verdicts,
                                            "target.json": target.model_dump(mode="json")})
@@ -67,12 +71,16 @@ def publish_op(s: OpSession, stopped: Stopped) -> dict:
             "results": archive, **metrics}
 
 
-def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str) -> None:
-    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought."""
+def summary(what: str, target_key: str, gpu_class: str, reason: str, metrics: dict[str, float], spend: str,
+            compare: str = "") -> None:
+    """The flow's summary artifact: what it ran, why it stopped, what it cost and what that bought,
+    and the link to MLflow's comparison of its best candidates."""
     def row(name: str) -> str:
         return f"| {name} | {f'{metrics[name]:.4g}' if name in metrics else '-'} |"
 
     lines = [f"## {what}: {target_key} ({gpu_class})", "", f"Stopped: {reason}.", "", spend, "",
+             *([f"[Compare the best candidates in MLflow]({compare}): per-shape speed-ups, % of roofline, "
+                "GPU-hours, $ and tokens side by side.", ""] if compare else []),
              "| metric | value |", "| --- | --- |"]
     lines += [row(n) for n in ("candidates", "passed", "best_score", "gpu_hours", "cost_usd", "proposer_tokens",
                                "proposer_usd", "total_usd", "reference_gpu_hours", "baseline_gpu_hours", "gain_pct",

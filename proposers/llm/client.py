@@ -65,7 +65,7 @@ def ask(settings: LLMSettings, system: str, cached: str, fresh: str) -> Reply:
         return _openai(settings, key, system, cached + fresh)
     except (openai.APIStatusError, anthropic.APIStatusError) as e:
         if e.status_code in (401, 403):  # the body may quote the key, masked or not: not shown
-            why = f"refused the API key in {settings.api_key_env} (HTTP {e.status_code})"
+            why = f"refused the API key in {settings.key_source} (HTTP {e.status_code})"
         else:
             why = f"answered HTTP {e.status_code}: {_message(e)}"
         raise EndpointDown(redact(f"the {settings.provider} endpoint {endpoint(settings)} {why}", key)) from None

@@ -1,8 +1,10 @@
 """The LLM proposer: the op description (proposers/describe.py) in, one free-candidate module out.
 
 Call order:
-  1. `LLMProposer(op, target, settings, knowledge)` once per optimization (cheap; no I/O);
-     `knowledge`: the text of the published knowledge entries for the op and GPU class.
+  1. `LLMProposer(op, target, settings, knowledge, kernels)` once per optimization (cheap; no
+     I/O); `knowledge`: the text of the published knowledge entries for the op and GPU class;
+     `kernels`: the published winners of the nearest targets (tracking.knowledge.for_code), whose
+     code and speed-ups every request, the first included, shows as starting points.
   2. `propose(history, ceilings)` once per free pool slot, from as many threads at once. `history`
      is every trial of this op, target and GPU class that tracking knows of, templates' and free
      candidates' alike, pending ones included; `ceilings` the class's, where measured.
@@ -25,6 +27,7 @@ from tracking.trials import Ceilings, Trial
 
 if TYPE_CHECKING:
     from targets import Target
+    from tracking.knowledge import Entry
 
 SYSTEM = """You are a GPU kernel engineer making one op of an LLM inference engine faster.
 Write one Python module that defines, at top level, a function `{signature}` computing what the
@@ -56,13 +59,15 @@ class Proposal:
 
 
 class LLMProposer:
-    def __init__(self, op: str, target: Target, settings: LLMSettings, knowledge: Sequence[str] = ()):
+    def __init__(self, op: str, target: Target, settings: LLMSettings, knowledge: Sequence[str] = (),
+                 kernels: Sequence[Sequence[Entry]] = ()):
         self.op, self.target, self.settings, self.knowledge = op, target, settings, list(knowledge)
+        self.kernels = [list(g) for g in kernels]
 
     def messages(self, history: Sequence[Trial], ceilings: Ceilings | None) -> tuple[str, str, str]:
         """System prompt, the part of the user message that stays the same through an
         optimization, and the part that grows with the history."""
-        d = describe(self.op, self.target, history, ceilings, knowledge=self.knowledge)
+        d = describe(self.op, self.target, history, ceilings, knowledge=self.knowledge, kernels=self.kernels)
         return SYSTEM.format(signature=d.signature), render_op(d), render_history(d)
 
     def propose(self, history: Sequence[Trial], ceilings: Ceilings | None = None) -> Proposal:

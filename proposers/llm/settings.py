@@ -1,12 +1,15 @@
-"""The LLM proposer's settings: provider, model, endpoint, the environment variable holding the
-API key, sampling, the SDK's retries, and what tokens cost. Parsed at the edge (a YAML file, then
-command-line options over it) into one validated model. The model holds the variable's name,
-never the key: the key is read from the environment only when a client is made."""
+"""The LLM proposer's settings: provider, model, endpoint, where the API key is, sampling, the
+SDK's retries, and what tokens cost. Parsed at the edge (a YAML file, then command-line options
+over it; a deployment's form) into one validated model. The model names where the key is — an
+environment variable, or a Prefect Secret block for a run launched from the UI — never the key:
+it is read only when a client is made. A base URL holding credentials is refused."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import (
@@ -18,6 +21,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -25,6 +29,15 @@ Provider = Literal["anthropic", "openai"]
 DEFAULT_MODEL = {"anthropic": "claude-sonnet-4-5", "openai": "gpt-5"}
 DEFAULT_KEY_ENV = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY"}
 SHIPPED_PRICES = Path(__file__).with_name("prices.yaml")
+# A query parameter whose name holds one of these words carries a credential (api_key, token, sig...).
+CREDENTIAL_WORDS = ("key", "token", "secret", "passw", "auth", "sig", "credential")
+CREDENTIAL = re.compile("|".join(CREDENTIAL_WORDS), re.I)
+# The same refusal as a JSON-schema pattern of the deployment's form (a regex JavaScript reads too, so
+# no inline flags): Prefect's server checks it when the run is created, so a URL holding a key is
+# refused before a run, a log line or a tracking param could hold it.
+NO_CREDENTIALS = (r"^(?![^/?#]*://[^/?#]*@)(?![^?#]*\?(?:[^#]*&)?[^=&#]*(?:"
+                  + "|".join("".join(f"[{c}{c.upper()}]" for c in w) for w in CREDENTIAL_WORDS) + "))")
+BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")  # Prefect's block document names
 
 
 class SettingsError(ValueError):
@@ -41,12 +54,17 @@ class Price(BaseModel):
 
 
 class LLMSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # An error never quotes a value: a base URL refused for holding a key would show the key.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
     provider: Provider = Field("anthropic", description="anthropic, or openai for any OpenAI-compatible endpoint")
     model: str = Field("", description="the provider's model name; default per provider")
-    base_url: str | None = Field(None, description="the endpoint; default the provider's own")
+    base_url: str | None = Field(None, description="the endpoint; default the provider's own; never with a key in "
+                                 "it", json_schema_extra={"pattern": NO_CREDENTIALS})
     api_key_env: str | None = Field("", description="the environment variable holding the API key; default per "
                                     "provider; null for an endpoint that takes no key")
+    api_key_secret: str | None = Field(None, description="the name of a Prefect Secret block holding the API key, "
+                                       "read by the worker at run time (over api_key_env); the key itself never "
+                                       "goes in a form")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="default: the model's own (newer "
                                       "models take no other)")
     max_output_tokens: PositiveInt = 16384
@@ -61,6 +79,34 @@ class LLMSettings(BaseModel):
             self.api_key_env = DEFAULT_KEY_ENV[self.provider]
         return self
 
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        parts = urlsplit(url)
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("the URL holds credentials (user:password@): name the key's environment variable "
+                             "(api_key_env) or Prefect Secret block (api_key_secret) instead")
+        if any(CREDENTIAL.search(name) for name, _ in parse_qsl(parts.query, keep_blank_values=True)):
+            raise ValueError("the URL's query holds a key: name the key's environment variable (api_key_env) or "
+                             "Prefect Secret block (api_key_secret) instead")
+        return url
+
+    @field_validator("api_key_secret")
+    @classmethod
+    def _block_name(cls, name: str | None) -> str | None:
+        if name is not None and not BLOCK_NAME.match(name):
+            raise ValueError("a Prefect block name: lowercase letters, digits and dashes")
+        return name
+
+    @property
+    def key_source(self) -> str:
+        """Where the key is read from, in words (never the key)."""
+        if self.api_key_secret:
+            return f"the Prefect Secret block {self.api_key_secret}"
+        return f"the environment variable {self.api_key_env}"
+
     @property
     def price(self) -> Price | None:
         return self.prices.get(self.model)
@@ -71,7 +117,11 @@ class LLMSettings(BaseModel):
         return f"llm:{self.model}"
 
     def api_key(self) -> str:
-        """The key, read now. An endpoint that takes none gets a placeholder: the SDKs need one."""
+        """The key, read now: from the Prefect Secret block where one is named (on the worker that
+        runs the flow), else from the environment. An endpoint that takes none gets a placeholder:
+        the SDKs need one."""
+        if self.api_key_secret:
+            return _secret(self.api_key_secret)
         if self.api_key_env is None:
             return "none"
         key = os.environ.get(self.api_key_env, "")
@@ -79,6 +129,20 @@ class LLMSettings(BaseModel):
             raise SettingsError(f"the API key variable {self.api_key_env} is not set (set it, or name another "
                                 "with --llm-api-key-env)")
         return key
+
+
+def _secret(name: str) -> str:
+    import httpx
+    from prefect.blocks.system import Secret
+
+    try:
+        value = Secret.load(name, _sync=True).get()
+    except (ValueError, httpx.HTTPError) as e:  # no such block, not a Secret, no API: never a value in it
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SettingsError(f"the Prefect Secret block {name} cannot be read: {why}") from None
+    if not isinstance(value, str) or not value:
+        raise SettingsError(f"the Prefect Secret block {name} holds no key (an empty or non-text value)")
+    return value
 
 
 def _yaml_mapping(path: Path, what: str) -> dict:

@@ -1,17 +1,17 @@
 """The knowledge base: what verified runs taught, one entry per op, shape class, GPU class and
 target, in markdown files a person reviews. An optimization writes drafts; only entries a person
-published leave it, to warm-start a search on another target (`warm_points`), into an LLM's
-prompt (`published_for`) or an agent's search (`search`)."""
+published leave it: to warm-start a search (`for_template`: TPE's points, `for_code`: the LLM's
+kernels), into an LLM's prompt (`published_for`) or an agent's search (`search`)."""
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tracking.knowledge.entries import DRAFT, PUBLISHED, RETIRED, STATES, Entry, KnowledgeBase
+from tracking.knowledge.warm import WarmStart, for_code, for_template
 from tracking.schema import RunScope
 
-__all__ = ["DRAFT", "PUBLISHED", "RETIRED", "STATES", "Entry", "KnowledgeBase", "published_for", "search",
-           "warm_points"]
+__all__ = ["DRAFT", "PUBLISHED", "RETIRED", "STATES", "Entry", "KnowledgeBase", "WarmStart", "for_code",
+           "for_template", "published_for", "search", "warm_points"]
 
 
 def published_for(op: str, gpu_class: str, kb: KnowledgeBase | None = None) -> list[Entry]:
@@ -36,13 +36,5 @@ def search(query: str, op: str | None = None, kb: KnowledgeBase | None = None) -
 def warm_points(op: str, template: str, scope: RunScope,
                 kb: KnowledgeBase | None = None) -> list[tuple[dict[str, Any], list[str]]]:
     """The points of the template that other targets' published entries won with, each once with
-    the ids of the entries behind it: entries of this GPU class first, then by score. An entry of
-    this very target and GPU class is left out: its runs are already this search's history."""
-    entries = [e for e in (kb or KnowledgeBase.from_env()).entries(PUBLISHED, op)
-               if e.winner["kind"] == "template" and e.winner["template"] == template
-               and (e.target, e.gpu_class) != (scope.target_key, scope.gpu_class)]
-    entries.sort(key=lambda e: (e.gpu_class != scope.gpu_class, -e.score, e.id))
-    out: dict[str, tuple[dict[str, Any], list[str]]] = {}
-    for e in entries:
-        out.setdefault(json.dumps(e.winner["point"], sort_keys=True), (e.winner["point"], []))[1].append(e.id)
-    return list(out.values())
+    the ids of the entries behind it: entries of this GPU class first, then by score."""
+    return for_template(op, template, scope, kb or KnowledgeBase.from_env()).points

@@ -38,13 +38,15 @@ def class_speed(run: Run, labels: list[str]) -> tuple[float, float | None, float
             _geomean([m.get(f"{label}/speedup_vs_eager") for label in labels]))
 
 
-def _winner(run: Run) -> dict:
+def _winner(run: Run, tracker: Tracker) -> dict:
     tags, params = run.data.tags, run.data.params
     cand = json.loads(tags[f"{T}candidate"])
+    # A free module's source travels in the entry: an exported entry reaches a store without its run.
+    source = (tracker.free_source(run.info.run_id) or "") if cand["kind"] == "free" else ""
     return {"candidate_id": tags.get(f"{T}candidate_id", ""), "kind": cand["kind"], "template": cand.get("template"),
             "point": cand.get("point") or {}, "source_sha256": params.get("candidate.source_sha256", ""),
             "proposer": tags.get(f"{T}proposer", ""), "summary": tags.get(f"{T}summary", ""),
-            "run_id": run.info.run_id}
+            "run_id": run.info.run_id, "source": source}
 
 
 def derive(tracker: Tracker, scope: RunScope) -> list[Entry]:
@@ -72,7 +74,7 @@ def derive(tracker: Tracker, scope: RunScope) -> list[Entry]:
             (score, vs_compile, vs_eager), best = max(timed, key=lambda x: x[0][0])
             tags = best.data.tags
             entry = Entry(op=scope.op, shape_class=cls, gpu_class=gpu_class, target=scope.target_key, model=model,
-                          dtype=dtype, shapes=shapes, winner=_winner(best), score=score, vs_compile=vs_compile,
+                          dtype=dtype, shapes=shapes, winner=_winner(best, tracker), score=score, vs_compile=vs_compile,
                           vs_eager=vs_eager, gpu_timing=tags.get(f"{T}gpu_timing") == "true",
                           device=tags.get(f"{T}device", ""), failures=dict(sorted(failures.items())),
                           runs=sorted(r.info.run_id for r in runs))

@@ -26,6 +26,13 @@ STATES = (DRAFT, PUBLISHED, RETIRED)
 MOVES = {PUBLISHED: (DRAFT,), RETIRED: (DRAFT, PUBLISHED)}  # to a state: from which states
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (a free kernel's source) as literal blocks: a reviewer reads the code as code."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -41,7 +48,7 @@ class Entry:
     model: str
     dtype: str
     shapes: list[str]
-    winner: dict  # candidate_id, kind, template, point, source_sha256, proposer, summary, run_id
+    winner: dict  # candidate_id, kind, template, point, source_sha256, proposer, summary, run_id, source
     score: float  # geometric-mean speed-up over the best baseline on these shapes
     vs_compile: float | None  # ... over torch.compile (None: not timed against it, as on a CPU)
     vs_eager: float | None
@@ -69,7 +76,7 @@ class Entry:
 
     def text(self) -> str:
         meta = {k: v for k, v in asdict(self).items() if k != "body"}
-        return f"---\n{yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)}---\n{self.body}"
+        return f"---\n{yaml.dump(meta, Dumper=_Dumper, sort_keys=False, allow_unicode=True)}---\n{self.body}"
 
     @classmethod
     def parse(cls, text: str, where: str) -> Entry:
