@@ -100,6 +100,9 @@ def check_tests(mutations: list[Mutation], root: Path, name: str) -> None:
             raise Stale(f"{name} entry {n} ({m.defence}): no test file {gone[0].split('::')[0]}")
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "-p", "no:xdist", *files], cwd=root, env=_env(root), capture_output=True, text=True)
+    if done.returncode != 0:
+        said = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+        raise Stale(f"{name}: collecting its tests failed (pytest exited {done.returncode}): {said[0]}")
     collected = set(done.stdout.splitlines())
     for n, m in enumerate(mutations, 1):
         missing = [t for t in m.tests if t not in collected]
@@ -111,22 +114,23 @@ def _env(root: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
-def copy_repository(root: Path, dest: Path) -> None:
+def repository_files(root: Path) -> list[str]:
     """The files git lists (tracked, and new ones it does not ignore): no venv, no caches."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        src = root / rel
-        if src.is_file():  # a deleted file is still listed until the deletion is staged
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise Stale(f"{root} is not a git checkout, whose files the copies are made of ({e})") from None
+    return [rel for rel in listed if (root / rel).is_file()]  # a deletion not yet staged is still listed
 
 
-def run_one(m: Mutation, root: Path) -> Outcome:
+def run_one(m: Mutation, root: Path, files: list[str]) -> Outcome:
     where = m.where(root)
     with tempfile.TemporaryDirectory(prefix="infersmith-mutation-") as tmp:
         copy = Path(tmp) / "repo"
-        copy_repository(root, copy)
+        for rel in files:
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, copy / rel)
         path = copy / m.file
         path.write_text(path.read_text().replace(m.old, m.new, 1))
         report = Path(tmp) / "report.xml"
@@ -196,13 +200,14 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
                                                           if args.match else ""))
         check_texts(mutations, root, args.list.name)
         check_tests(mutations, root, args.list.name)
+        files = repository_files(root)
     except Stale as e:
         print(f"mutations: {e}", file=sys.stderr)
         return 2
     print(f"{len(mutations)} removals, {args.jobs} at a time", file=sys.stderr)
 
     def run(m: Mutation) -> Outcome:
-        o = run_one(m, root)
+        o = run_one(m, root, files)
         print(f"  {'caught' if o.caught_by else 'BROKEN' if o.broken else 'SURVIVED'}: {m.defence}", file=sys.stderr)
         return o
 
