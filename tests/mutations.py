@@ -153,7 +153,8 @@ def _first_failure(report: Path, tests: tuple[str, ...]) -> tuple[str, str] | No
         for bad in (*case.iter("failure"), *case.iter("error")):
             said = (bad.get("message") or bad.text or "").strip().splitlines() or [""]
             if said[0].endswith(("{", "[", "(")):  # a dumped structure: its `assert` line says more
-                said = [line for line in said if line.startswith("assert ")] or said
+                report = [line.lstrip("E").strip() for line in (bad.text or "").splitlines()]  # the message may be cut
+                said = [line for line in [*said, *report] if line.startswith("assert ")] or said
             return ids.get((case.get("classname"), case.get("name")), case.get("name")), said[0]
     return None
 
