@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 LINT_VENV ?= .venv-lint
 LINTERS := ruff==0.17.6 import-linter==2.17
 
-.PHONY: setup optimize test lint gpu-check
+.PHONY: setup optimize test lint mutations gpu-check
 setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml infra/setup.sh
 	bash infra/setup.sh $(VENV)
@@ -28,6 +28,11 @@ lint: $(LINT_VENV)/.installed
 # Two workers: CI has two cores, and most tests wait on harness subprocesses.
 test: setup lint
 	$(BIN)/python -m pytest -q -ra -n 2 --durations=20
+
+# Each harness defence listed in tests/mutations.toml removed in turn, in a copy of the repository:
+# the tests it names must fail (docs/testing.md). Two at a time, as for the tests.
+mutations: setup
+	$(BIN)/python tests/mutations.py --jobs 2
 
 # On a GPU host: every path only a GPU exercises, in one call of at most 9 minutes, with one report
 # under $(OUT) (docs/testing.md#on-a-gpu-make-gpu-check). `python3 bench/gpu_check.py --plan` lists it.

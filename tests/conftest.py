@@ -71,3 +71,16 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     parser.addoption("--gauntlet-all", action="store_true",
                      help="run every gauntlet case, also those the manifest marks ci = false")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A count of the skips at the end of every run (CI's included: -ra gives their reasons above),
+    those that need a GPU (marked `gpu`, or skipped for a reason naming one) listed: they skip where
+    there is none, as in CI. A test that needs a service of the machine fails in CI instead of
+    skipping (tests/services.py)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    gpu = sorted(r.nodeid for r in skipped if "gpu" in r.keywords or "GPU" in str(r.longrepr))
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped: {len(gpu)} need a GPU, {len(skipped) - len(gpu)} "
+                                    "for other reasons (listed by -ra)")
+    for nodeid in gpu:
+        terminalreporter.write_line(f"needs a GPU: {nodeid}")

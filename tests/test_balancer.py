@@ -9,7 +9,6 @@ import json
 import re
 import signal
 import sys
-import time
 import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,18 +21,46 @@ from harness.serve.balancer import make_app
 from harness.serve.server import Replicas, free_ports
 
 FAKES = Path(__file__).resolve().parent / "serve_fakes"
-GAP_S = 0.3  # between a streamed response's chunks
+WITHIN_S = 60  # for what a working balancer does at once: only a broken one gets near it
 
 
-def backend(k: int) -> web.Application:
-    """Says which backend it is; holds a request `hold` seconds; streams `chunks` SSE events GAP_S
-    apart; with `break_after`, drops the connection after that many events."""
+class Gate:
+    """What the test lets through, counted: each request (or streamed chunk) that `cross`es it takes
+    a ticket and waits until the test has `open`ed that many. The order of events is the test's, so
+    nothing is asserted of how long anything took."""
+
+    def __init__(self) -> None:
+        self.reached = self.opened = 0
+        self._changed = asyncio.Condition()
+
+    async def cross(self) -> None:
+        async with self._changed:
+            self.reached += 1
+            ticket = self.reached
+            self._changed.notify_all()
+            await self._changed.wait_for(lambda: self.opened >= ticket)
+
+    async def until_reached(self, n: int) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: self.reached >= n), WITHIN_S)
+
+    async def open(self, n: int) -> None:
+        async with self._changed:
+            self.opened = max(self.opened, n)
+            self._changed.notify_all()
+
+
+def backend(k: int, gates: dict[str, Gate]) -> web.Application:
+    """Says which backend it is; with `hold`, holds the request at that gate; streams `chunks` SSE
+    events, each after the first crossing the `gate` named so (if any); with `break_after`, drops
+    the connection after that many events."""
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": f"model-{k}"}]})
 
     async def complete(request):
         body = await request.json()
-        await asyncio.sleep(body.get("hold", 0))
+        if "hold" in body:
+            await gates[body["hold"]].cross()
         if not body.get("stream"):
             return web.json_response({"backend": k})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -42,8 +69,8 @@ def backend(k: int) -> web.Application:
             if i == body.get("break_after"):
                 request.transport.close()
                 return response
-            if i:
-                await asyncio.sleep(GAP_S)
+            if i and "gate" in body:
+                await gates[body["gate"]].cross()
             await response.write(f"data: {json.dumps({'backend': k, 'i': i})}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -66,12 +93,14 @@ async def serving(app: web.Application, port: int):
 
 
 @asynccontextmanager
-async def balanced(live: int, dead: int = 0):
-    """`live` backends and `dead` ports no one listens on, behind a balancer; yields its URL."""
+async def balanced(live: int, dead: int = 0, gates: dict[str, Gate] | None = None):
+    """`live` backends and `dead` ports no one listens on, behind a balancer; yields its URL. The
+    backends hold requests at `gates` (by name) when asked to."""
     ports = free_ports(live + dead + 1)
     urls = [f"http://127.0.0.1:{p}" for p in ports[:live + dead]]
-    async with serving(backend(0), ports[0]) if live > 0 else _nothing(), \
-            serving(backend(1), ports[1]) if live > 1 else _nothing():
+    gates = gates if gates is not None else {}
+    async with serving(backend(0, gates), ports[0]) if live > 0 else _nothing(), \
+            serving(backend(1, gates), ports[1]) if live > 1 else _nothing():
         async with serving(make_app(urls), ports[-1]) as url:
             yield url
 
@@ -87,8 +116,12 @@ async def post(session, url, **body):
 
 
 def test_fewest_in_flight_round_robin_among_ties_and_streams_passed_on_as_they_arrive():
+    """Requests are held at gates the test opens, so which requests are in flight together is
+    known, not hoped for; and a streamed chunk is written only once the client has the one before,
+    which only a balancer that passes each on as it arrives lets happen."""
     async def scenario():
-        async with balanced(2) as url, aiohttp.ClientSession() as s:
+        gates = {name: Gate() for name in ("long", "four", "stream")}
+        async with balanced(2, gates=gates) as url, aiohttp.ClientSession() as s:
             async with s.get(url + "/health") as r:
                 assert r.status == 200 and [b["served"] for b in (await r.json())["backends"]] == [0, 0]
             async with s.get(url + "/v1/models") as r:
@@ -96,27 +129,31 @@ def test_fewest_in_flight_round_robin_among_ties_and_streams_passed_on_as_they_a
             # one at a time every backend is idle: they take turns
             alone = [(await post(s, url))[1]["backend"] for _ in range(4)]
             assert alone == [0, 1, 0, 1]
-            # a long request on 0: the short ones meanwhile all go to 1, the idle one
-            long = asyncio.ensure_future(post(s, url, hold=1.0))
-            await asyncio.sleep(0.2)
+            # a long request held on 0: the short ones meanwhile all go to 1, the idle one
+            long = asyncio.ensure_future(post(s, url, hold="long"))
+            await gates["long"].until_reached(1)
             meanwhile = [(await post(s, url))[1]["backend"] for _ in range(3)]
+            await gates["long"].open(1)
             assert (await long)[1]["backend"] == 0 and meanwhile == [1, 1, 1]
-            # four at once: two each
-            together = await asyncio.gather(*(post(s, url, hold=0.3) for _ in range(4)))
-            assert sorted(b["backend"] for _, b in together) == [0, 0, 1, 1]
+            # four in flight at once: two each
+            together = asyncio.gather(*(post(s, url, hold="four") for _ in range(4)))
+            await gates["four"].until_reached(4)
+            await gates["four"].open(4)
+            assert sorted(b["backend"] for _, b in await together) == [0, 0, 1, 1]
 
-            async with s.post(url + "/v1/completions", json={"stream": True, "chunks": 4}) as r:
-                assert r.headers["Content-Type"].startswith("text/event-stream")
-                t0, arrivals, text = time.monotonic(), [], b""
-                async for chunk in r.content.iter_any():
-                    arrivals.append(time.monotonic() - t0)
-                    text += chunk
-            events = [line for line in text.decode().split("\n\n") if line]
-            assert len(events) == 5 and events[-1] == "data: [DONE]"
-            # each event reached the client when the backend wrote it, not at the end
-            assert arrivals[0] < GAP_S / 2 and len(arrivals) >= 4
-            gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-            assert sum(g > GAP_S * 0.7 for g in gaps) == 3, arrivals
+            async def stream() -> list[str]:
+                async with s.post(url + "/v1/completions", json={"stream": True, "chunks": 4, "gate": "stream"}) as r:
+                    assert r.headers["Content-Type"].startswith("text/event-stream")
+                    text = b""
+                    async for chunk in r.content.iter_any():
+                        text += chunk
+                        await gates["stream"].open(text.count(b"\n\n"))  # the next may be written now
+                    return [line for line in text.decode().split("\n\n") if line]
+
+            # each event reached the client before the backend wrote the next: a balancer that
+            # held them back would leave the backend waiting at chunk 1, and this timing out
+            events = await asyncio.wait_for(stream(), WITHIN_S)
+            assert len(events) == 5 and events[-1] == "data: [DONE]" and gates["stream"].reached == 3
 
             async with s.get(url + "/health") as r:
                 # the stream went to 0, next in turn

@@ -358,14 +358,18 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
     from harness.judging import Judge
     from tasks.evaluate import jobs_for
 
-    for ended_first in (True, False):
-        deadline = Deadline(2.5, time.perf_counter())  # strikes after 0.5 s (2 s reserve); no sandbox to kill
-        if ended_first:
-            deadline.report_ended()
-        time.sleep(1.0)
-        deadline.report_ended()
-        assert deadline.struck and deadline.ended_first == ended_first
+    def strikes(deadline: Deadline) -> bool:
+        """Whether its timer thread struck within a minute: however late a loaded machine runs it."""
+        for _ in range(600):
+            if deadline.struck:
+                return True
+            time.sleep(0.1)
+        return False
 
+    # Each strikes 3 s after it is made (a 2 s reserve; no sandbox to kill): the report's end comes
+    # right away, or once the strike has come.
+    first, after = Deadline(5.0, time.perf_counter()), Deadline(5.0, time.perf_counter())
+    first.report_ended()
     # Through the report's reader: reading a report to its end marks it ended, before the strike.
     import os
 
@@ -374,11 +378,15 @@ def test_a_report_that_ended_before_the_deadline_struck_is_a_process_crash():
     r, w = os.pipe()
     os.write(w, _frame("done"))
     os.close(w)
-    deadline = Deadline(2.5, time.perf_counter())
-    with io.BufferedReader(_Report(r, deadline)) as report:
+    read = Deadline(5.0, time.perf_counter())
+    with io.BufferedReader(_Report(r, read)) as report:
         assert report.read() == _frame("done")
-    time.sleep(1.0)
-    assert deadline.struck and deadline.ended_first
+    assert strikes(after)
+    after.report_ended()
+    for deadline, ended_first in ((first, True), (after, False), (read, True)):
+        assert strikes(deadline)
+        deadline.report_ended()
+        assert deadline.ended_first == ended_first
 
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"),
                    CPU_SLOT)["check"]
@@ -451,17 +459,14 @@ def test_settle_frames_the_sandbox_never_waits_on_fail_protocol_without_blocking
     """Each go-ahead is written without blocking: the sandbox reads one before it sends its next
     settle, so a pipe full of them was filled by the candidate, and the judge says so at once
     rather than waiting, blocked, for the stage's limit."""
-    import time
-
     from tasks.evaluate import jobs_for
 
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source=FLOODS_SETTLE), Target(model="tiny", dtype="fp32"), slot)
-    t = time.perf_counter()
     verdict = LocalExecutor().run(job["bench"], slot, 60).verdict
+    # The judge's own finding: had it blocked, the deadline's kill (54 s) would end it `time_limit`.
     assert (verdict.status, verdict.failing_gate.name) == ("fail", "protocol"), verdict.to_json()
     assert "full of go-aheads" in verdict.failing_gate.detail
-    assert time.perf_counter() - t < 40  # not the deadline's kill (54 s)
 
 
 def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the_candidate():

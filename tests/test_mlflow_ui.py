@@ -19,6 +19,7 @@ from loopback_sshd import free_port
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
+from services import missing
 from test_platform import browser, page_text  # noqa: F401  (browser: a fixture)
 
 from cli.main import main
@@ -87,7 +88,7 @@ def test_mlflow_opens_on_the_runs_and_every_summary_links_the_comparison(
     assert f"compare the best 2 side by side in MLflow: {link}" in board
 
     if browser is None:
-        pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
+        missing("needs Debian's chromium and chromium-driver (.ci/run installs them)")
     [parent] = mlflow.search_runs([exp.experiment_id], "tags.`infersmith.kind` = 'optimization'")
     browser.get(f"{mlflow_server}/#/experiments/{exp.experiment_id}?{TRAINING}")
     text = page_text(browser, parent.info.run_name, "matching runs")

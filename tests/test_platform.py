@@ -29,6 +29,7 @@ from moto_s3 import s3_server
 # Prefect sets its log handlers up on this import, each keeping the sys.stderr of the moment: here,
 # not the capsys stream of whichever test would import it first (closed after that test).
 from prefect import flow  # noqa: F401
+from services import missing
 
 from cli.processes import Started, family
 
@@ -63,14 +64,14 @@ def test_up_with_a_port_in_use_says_which_and_exits_2(tmp_path):
 def databases():
     """Two fresh databases, one for Prefect and one for MLflow, dropped afterwards."""
     if not PG:
-        pytest.skip("needs PostgreSQL: set INFERSMITH_TEST_POSTGRES=postgresql://user:password@host:port/db "
-                    "(.ci/run starts Debian's PostgreSQL and sets it)")
+        missing("needs PostgreSQL: set INFERSMITH_TEST_POSTGRES=postgresql://user:password@host:port/db "
+                "(.ci/run starts Debian's PostgreSQL and sets it)")
     import psycopg
 
     try:
         admin = psycopg.connect(PG, autocommit=True, connect_timeout=10)
     except psycopg.OperationalError as e:
-        pytest.skip(f"PostgreSQL of INFERSMITH_TEST_POSTGRES does not answer: {str(e).splitlines()[0]}")
+        missing(f"PostgreSQL of INFERSMITH_TEST_POSTGRES does not answer: {str(e).splitlines()[0]}")
     names = [f"infersmith_{kind}_{uuid.uuid4().hex[:8]}" for kind in ("prefect", "mlflow")]
     for name in names:
         admin.execute(f'CREATE DATABASE "{name}"')
@@ -173,11 +174,11 @@ def test_the_platform_on_one_machine(stack, browser, subtests, monkeypatch, caps
         run = completed_run(stack, tmp_path)
     with subtests.test("the Prefect UI shows the deployment's form with the target's fields"):
         if browser is None:
-            pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
+            missing("needs Debian's chromium and chromium-driver (.ci/run installs them)")
         prefect_form(stack, browser)
     with subtests.test("MLflow's compare view shows two candidates side by side"):
         if browser is None:
-            pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
+            missing("needs Debian's chromium and chromium-driver (.ci/run installs them)")
         assert run is not None, "no completed run to compare"
         compare_view(stack, browser, run)
     with subtests.test("down stops what up started and nothing else"):
