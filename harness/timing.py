@@ -25,8 +25,8 @@ import torch
 # reaches that module without an import, and a `len` or `sorted` swapped there would otherwise
 # divide or order every figure. For the same reason the median is computed here, not by
 # `statistics.median`, which calls the builtins' `sorted`.
-len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all = (  # noqa: A001
-    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all)
+len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, sum = (  # noqa: A001
+    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, sum)
 
 
 def median(values) -> float:
@@ -44,6 +44,7 @@ _record, _elapsed = torch.cuda.Event.record, torch.cuda.Event.elapsed_time
 _wait_event = torch.cuda.Event.synchronize
 _replay = torch.cuda.CUDAGraph.replay
 _current_stream = torch.cuda.current_stream
+_copy, _empty_like = torch.Tensor.copy_, torch.empty_like
 
 
 def _events(n: int) -> list:
@@ -62,11 +63,15 @@ class Method:
     graph: bool = False
 
 
-# Of a timed graph's calls, the judge checks the first, the last and this many others drawn at
-# random once the graph has run. A function that skips work on a share f of the sets while it is
-# captured escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
+# Of a timed run's calls, the judge checks the first, the last and this many others drawn at
+# random: for a graph once it has run, for events and the wall clock before the run starts (their
+# outputs are copied as they come). A function that skips work on a share f of the calls it is
+# timed on escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
 # 10% gain needs.
 GRAPH_CHECKS = 32
+# What the copies of an events or wall-clock run's checked outputs may take, per run: a call whose
+# outputs are larger gets fewer random draws (never fewer than the first and the last call).
+KEEP_BYTES = 1 << 30
 
 
 def _below(n: int) -> int:
@@ -117,12 +122,17 @@ class Timed:
     us: float  # median per call
     how: str  # "graph", "events" or "wall"
     fallback: str = ""  # a graph was asked for and could not be captured: why
-    # graph: {input set: what its captured call returned, as the last replay left it}, for the
-    # sets `checked_sets` drew
+    # {call of the timed run: what it returned}, for the calls `checked_sets` drew: call c ran on
+    # input set c % len(sets) (a graph captures one call per set; events and the wall clock rotate
+    # through them from set 0); a graph's as its last replay left them, the others' copied as
+    # each call returned
     outputs: dict = field(default_factory=dict)
     # graph: two captured calls returned the same storage ("calls 3 and 4 of 8"), so the earlier
     # one's values are gone and a call's work cannot be checked: the stage fails `timed_outputs`
     reused: str = ""
+    # events or wall clock: a drawn call returned outputs of another form than its warm-up did
+    # (named), so they cannot be checked: the stage fails `timed_outputs`
+    misfit: str = ""
 
 
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
@@ -149,9 +159,9 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
     of the process, whoever it times."""
     global _graphs_off
     if method.device != "cuda":
-        return Timed(_cpu_median_us(fn, arg_sets, method), "wall")
+        return _cpu_median_us(fn, arg_sets, method).timed("wall")
     if not method.graph:
-        return Timed(_events_median_us(fn, arg_sets, method), "events")
+        return _events_median_us(fn, arg_sets, method).timed("events")
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
@@ -162,20 +172,29 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return Timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
+    return _events_median_us(fn, arg_sets, method).timed("events", fallback=why)
 
 
-def _cpu_median_us(fn, arg_sets, method: Method) -> float:
-    fn(*arg_sets[0])
-    times, deadline = [], perf_counter() + method.rep_ms / 1e3
-    i = 0
-    while len(times) < 3 or (perf_counter() < deadline and len(times) < 50):
-        args = arg_sets[i % len(arg_sets)]
+def _cpu_median_us(fn, arg_sets, method: Method) -> _Kept:
+    """The wall clock's median over a number of calls fixed before the first is timed (so the
+    last call is known when it runs, and its outputs are copied as the others' are)."""
+    n_sets = len(arg_sets)
+    first = fn(*arg_sets[0])  # warm-up; its outputs are the model of the copies' buffers
+    t = perf_counter()
+    fn(*arg_sets[1 % n_sets])
+    est = max(perf_counter() - t, 1e-9)
+    kept = _Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))))
+    del first
+    times = []
+    for c in range(kept.calls):
+        args = arg_sets[c % n_sets]
         t = perf_counter()
-        fn(*args)
+        out = fn(*args)
         times.append(perf_counter() - t)
-        i += 1
-    return median(times) * 1e6
+        kept.take(c, out)
+        del out  # freed as every call's is: the next call's allocations see what an unkept one leaves
+    kept.us = median(times) * 1e6
+    return kept
 
 
 def host_rounds(fn: Callable[..., Any], arg_sets: Sequence[tuple], reps: int = 10,
@@ -214,7 +233,7 @@ def _estimate_ms(run_once: Callable[[], None]) -> float:
     return max(_elapsed(start, end) / 5, 1e-4)
 
 
-def _events_median_us(fn, arg_sets, method: Method) -> float:
+def _events_median_us(fn, arg_sets, method: Method) -> _Kept:
     n_sets = len(arg_sets)
     counter = iter(range(1 << 62))
 
@@ -224,15 +243,55 @@ def _events_median_us(fn, arg_sets, method: Method) -> float:
     est = _estimate_ms(run_once)
     for _ in range(max(1, int(method.warmup_ms / est))):
         run_once()
-    reps = max(10, min(2000, int(method.rep_ms / est)))
-    starts, ends, stream = _events(reps), _events(reps), _current_stream()
+    kept = _Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))))
+    starts, ends, stream = _events(kept.calls), _events(kept.calls), _current_stream()
     _synchronize()
-    for s, e in zip(starts, ends):
+    for c, (s, e) in enumerate(zip(starts, ends)):
+        args = arg_sets[c % n_sets]
         _record(s, stream)
-        run_once()
+        out = fn(*args)
         _record(e, stream)
+        kept.take(c, out)  # a copy queued after the end event: on the device, between two timings
+        del out
     _synchronize()
-    return _median_elapsed_ms(starts, ends) * 1e3
+    kept.us = _median_elapsed_ms(starts, ends) * 1e3
+    return kept
+
+
+class _Kept:
+    """What the drawn calls of an events or wall-clock run returned (`checked_sets`: the first,
+    the last, and up to GRAPH_CHECKS others, drawn before the run from the operating system's
+    entropy), copied as each returns — after its timer stopped — into buffers allocated before
+    the run from a warm-up call's outputs: every call of the run allocates, frees and is timed
+    alike, kept or not. `misfit` names a drawn call whose outputs do not fit those buffers."""
+
+    def __init__(self, model, calls: int):
+        model = _tensors(model, "timed")
+        self.calls, self.misfit, self.model, self.us = calls, "", ", ".join(_form(t) for t in model), 0.0
+        size = max(1, sum(t.numel() * t.element_size() for t in model))
+        self.buffers = {c: tuple(_empty_like(t) for t in model)
+                        for c in checked_sets(calls, max(0, min(GRAPH_CHECKS, KEEP_BYTES // size - 2)))}
+
+    def take(self, c: int, returned) -> None:
+        into = self.buffers.get(c)
+        if into is None:
+            return
+        outs = returned if isinstance(returned, (tuple, list)) else (returned,)
+        if len(outs) != len(into) or not all(type(t) is torch.Tensor and t.shape == b.shape and t.dtype == b.dtype
+                                             for t, b in zip(outs, into)):
+            self.misfit = self.misfit or (f"call {c} of {self.calls} returned "
+                                          f"{', '.join(_form(t) for t in outs)} where its warm-up returned {self.model}")
+            return
+        for b, t in zip(into, outs):
+            _copy(b, t)
+
+    def timed(self, how: str, fallback: str = "") -> Timed:
+        """The run's median (`us`, set once it ended) with the copies, or what did not fit."""
+        return Timed(self.us, how, fallback, outputs={} if self.misfit else self.buffers, misfit=self.misfit)
+
+
+def _form(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}".replace("torch.", "") if type(t) is torch.Tensor else type(t).__name__
 
 
 def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
@@ -313,10 +372,10 @@ def _end_failed_capture(graph, capture, before) -> None:
                 pass  # the capture was invalidated; ending it is all that was wanted
 
 
-def _tensors(returned) -> tuple:
+def _tensors(returned, while_: str = "captured") -> tuple:
     """The returned tensors, exactly torch.Tensor (a subclass could compute when cloned)."""
     items = returned if isinstance(returned, (tuple, list)) else (returned,)
     if not all(type(t) is torch.Tensor for t in items):
-        raise TypeError("while captured, the function returned "
+        raise TypeError(f"while {while_}, the function returned "
                         f"{', '.join(type(t).__name__ for t in items)}, not plain torch.Tensor")
     return tuple(items)
