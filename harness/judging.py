@@ -243,7 +243,12 @@ class Judge:
             how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
             v.crash("process", self._ended_early(f"the candidate's process ended ({how}) before its report was complete"))
             return
-        if self.job.stage == "check":
+        if self.job.stage == "compile" and not any(g.name == "compile" and g.passed for g in v.gates):
+            # a `done` with no pass before it: the candidate's process wrote it
+            total = len(self.job.shapes) + len(self.job.odd_shapes)
+            v.gate("protocol", False, f"the compile stage's report ended without its pass, after "
+                                      f"{len(self.compiling)} of {total} shapes were called")
+        elif self.job.stage == "check":
             expected = len(self.plan["calls"])
             if self.judged != expected:
                 v.gate("protocol", False, f"{self.judged} of {expected} planned calls reported")
