@@ -248,3 +248,36 @@ def test_a_harness_function_patched_at_run_time_fails_timer_integrity():
     status, gate, detail = failed(v)
     assert (status, gate) == ("fail", "timer_integrity"), v.to_json()
     assert detail == "the candidate replaced harness.stages.run_call: timers and checks must stay the harness's"
+
+
+# -- timed = judged: what the timing keeps for the judge -----------------------------------------
+
+def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned():
+    """The first, the last and drawn calls of a wall-clock run, copied as each returned (call c
+    ran on input set c % sets); a drawn call whose outputs take another form than its warm-up's
+    is named instead, for `timed_outputs` to fail."""
+    from harness.timing import Method, median_us
+
+    sets = [(torch.randn(4, 64),) for _ in range(2)]
+    calls = []
+
+    def doubles(x):
+        calls.append(x)
+        return x * 2
+
+    timed = median_us(doubles, sets, Method("cpu", warmup_ms=0, rep_ms=5))
+    n_timed = len(calls) - 2  # a warm-up (the model of the copies' buffers) and an estimate go first
+    assert timed.how == "wall" and not timed.misfit and 3 <= n_timed <= 50
+    assert {0, n_timed - 1} <= set(timed.outputs) and len(timed.outputs) == min(n_timed, 34)
+    for c, (out,) in timed.outputs.items():
+        assert calls[2 + c] is sets[c % 2][0] and torch.equal(out, sets[c % 2][0] * 2)
+
+    def widens(x):
+        calls.append(x)
+        return x * 2 if len(calls) <= 2 else (x * 2).double()
+
+    calls.clear()
+    timed = median_us(widens, sets, Method("cpu", warmup_ms=0, rep_ms=5))
+    assert not timed.outputs
+    assert re.fullmatch(r"call 0 of \d+ returned float64 \(4, 64\) where its warm-up returned float32 \(4, 64\)",
+                        timed.misfit), timed.misfit
