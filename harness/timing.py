@@ -9,11 +9,12 @@ verdict marks them so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from os import urandom as _urandom
 from time import perf_counter
 from typing import Any, Callable, Sequence
 
 import torch
+
+from harness.timed_outputs import GRAPH_CHECKS, Kept, checked_sets, reused_storage, tensors  # noqa: F401
 
 # Every timer and reduction a measurement goes through is bound here, at import, before any
 # candidate exists (docs/gates.md, timer patching): a candidate that swaps one on its
@@ -25,8 +26,8 @@ import torch
 # reaches that module without an import, and a `len` or `sorted` swapped there would otherwise
 # divide or order every figure. For the same reason the median is computed here, not by
 # `statistics.median`, which calls the builtins' `sorted`.
-len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, sum = (  # noqa: A001
-    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, sum)
+len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all = (  # noqa: A001
+    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all)
 
 
 def median(values) -> float:
@@ -44,7 +45,6 @@ _record, _elapsed = torch.cuda.Event.record, torch.cuda.Event.elapsed_time
 _wait_event = torch.cuda.Event.synchronize
 _replay = torch.cuda.CUDAGraph.replay
 _current_stream = torch.cuda.current_stream
-_copy, _empty_like = torch.Tensor.copy_, torch.empty_like
 
 
 def _events(n: int) -> list:
@@ -62,32 +62,6 @@ class Method:
     rep_ms: float
     graph: bool = False
 
-
-# Of a timed run's calls, the judge checks the first, the last and this many others drawn at
-# random: for a graph once it has run, for events and the wall clock before the run starts (their
-# outputs are copied as they come). A function that skips work on a share f of the calls it is
-# timed on escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
-# 10% gain needs.
-GRAPH_CHECKS = 32
-# What the copies of an events or wall-clock run's checked outputs may take, per run: a call whose
-# outputs are larger gets fewer random draws (never fewer than the first and the last call).
-KEEP_BYTES = 1 << 30
-
-
-def _below(n: int) -> int:
-    """Uniform in [0, n), n < 2**31, from os.urandom (bound at import; random's classes are
-    looked up at call time, so a candidate could make their draws predictable)."""
-    bits = n.bit_length()
-    while True:
-        r = int.from_bytes(_urandom(4), "big") >> (32 - bits)
-        if r < n:
-            return r
-
-
-def _draw(population: range, k: int) -> list[int]:
-    """`k` distinct members of `population`, each pick uniform over those left."""
-    left = list(population)
-    return [left.pop(_below(len(left))) for _ in range(k)]
 
 # At most this many input sets a shape. Twice an H200's L2 (2 x 60 MiB) is covered down to calls
 # of ~60 KB (every decode shape from batch 8 up); below that the sets stay partly in L2, and each
@@ -159,9 +133,9 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
     of the process, whoever it times."""
     global _graphs_off
     if method.device != "cuda":
-        return _cpu_median_us(fn, arg_sets, method).timed("wall")
+        return _timed(_cpu_median_us(fn, arg_sets, method), "wall")
     if not method.graph:
-        return _events_median_us(fn, arg_sets, method).timed("events")
+        return _timed(_events_median_us(fn, arg_sets, method), "events")
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
@@ -172,10 +146,14 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return _events_median_us(fn, arg_sets, method).timed("events", fallback=why)
+    return _timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
 
 
-def _cpu_median_us(fn, arg_sets, method: Method) -> _Kept:
+def _timed(kept: Kept, how: str, fallback: str = "") -> Timed:
+    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit)
+
+
+def _cpu_median_us(fn, arg_sets, method: Method) -> Kept:
     """The wall clock's median over a number of calls fixed before the first is timed (so the
     last call is known when it runs, and its outputs are copied as the others' are)."""
     n_sets = len(arg_sets)
@@ -183,7 +161,7 @@ def _cpu_median_us(fn, arg_sets, method: Method) -> _Kept:
     t = perf_counter()
     fn(*arg_sets[1 % n_sets])
     est = max(perf_counter() - t, 1e-9)
-    kept = _Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))))
+    kept = Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))))
     del first
     times = []
     for c in range(kept.calls):
@@ -233,7 +211,7 @@ def _estimate_ms(run_once: Callable[[], None]) -> float:
     return max(_elapsed(start, end) / 5, 1e-4)
 
 
-def _events_median_us(fn, arg_sets, method: Method) -> _Kept:
+def _events_median_us(fn, arg_sets, method: Method) -> Kept:
     n_sets = len(arg_sets)
     counter = iter(range(1 << 62))
 
@@ -243,7 +221,7 @@ def _events_median_us(fn, arg_sets, method: Method) -> _Kept:
     est = _estimate_ms(run_once)
     for _ in range(max(1, int(method.warmup_ms / est))):
         run_once()
-    kept = _Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))))
+    kept = Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))))
     starts, ends, stream = _events(kept.calls), _events(kept.calls), _current_stream()
     _synchronize()
     for c, (s, e) in enumerate(zip(starts, ends)):
@@ -256,42 +234,6 @@ def _events_median_us(fn, arg_sets, method: Method) -> _Kept:
     _synchronize()
     kept.us = _median_elapsed_ms(starts, ends) * 1e3
     return kept
-
-
-class _Kept:
-    """What the drawn calls of an events or wall-clock run returned (`checked_sets`: the first,
-    the last, and up to GRAPH_CHECKS others, drawn before the run from the operating system's
-    entropy), copied as each returns — after its timer stopped — into buffers allocated before
-    the run from a warm-up call's outputs: every call of the run allocates, frees and is timed
-    alike, kept or not. `misfit` names a drawn call whose outputs do not fit those buffers."""
-
-    def __init__(self, model, calls: int):
-        model = _tensors(model, "timed")
-        self.calls, self.misfit, self.model, self.us = calls, "", ", ".join(_form(t) for t in model), 0.0
-        size = max(1, sum(t.numel() * t.element_size() for t in model))
-        self.buffers = {c: tuple(_empty_like(t) for t in model)
-                        for c in checked_sets(calls, max(0, min(GRAPH_CHECKS, KEEP_BYTES // size - 2)))}
-
-    def take(self, c: int, returned) -> None:
-        into = self.buffers.get(c)
-        if into is None:
-            return
-        outs = returned if isinstance(returned, (tuple, list)) else (returned,)
-        if len(outs) != len(into) or not all(type(t) is torch.Tensor and t.shape == b.shape and t.dtype == b.dtype
-                                             for t, b in zip(outs, into)):
-            self.misfit = self.misfit or (f"call {c} of {self.calls} returned "
-                                          f"{', '.join(_form(t) for t in outs)} where its warm-up returned {self.model}")
-            return
-        for b, t in zip(into, outs):
-            _copy(b, t)
-
-    def timed(self, how: str, fallback: str = "") -> Timed:
-        """The run's median (`us`, set once it ended) with the copies, or what did not fit."""
-        return Timed(self.us, how, fallback, outputs={} if self.misfit else self.buffers, misfit=self.misfit)
-
-
-def _form(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)}".replace("torch.", "") if type(t) is torch.Tensor else type(t).__name__
 
 
 def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
@@ -316,7 +258,7 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
     except BaseException:
         _end_failed_capture(graph, capture, before)
         raise
-    every = [_tensors(r) for r in returned]
+    every = [tensors(r) for r in returned]
     reused = reused_storage(every)
     for outs in every:
         for t in outs:
@@ -340,26 +282,6 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
     return per_replay_ms * 1e3 / len(arg_sets), outputs, reused
 
 
-def checked_sets(n: int, draws: int | None = None) -> list[int]:
-    """Which of `n` captured calls the judge checks: the first, the last, and `draws` (default
-    GRAPH_CHECKS) of the others at random, from the operating system's entropy."""
-    middle = range(1, n - 1)
-    k = min(GRAPH_CHECKS if draws is None else draws, len(middle))
-    return sorted({0, n - 1, *_draw(middle, k)})
-
-
-def reused_storage(every: list[tuple]) -> str:
-    """'' when every call returned storage of its own; else which two calls returned the same."""
-    seen: dict[int, int] = {}
-    for j, outs in enumerate(every):
-        for t in outs:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr in seen and seen[ptr] != j:
-                return f"calls {seen[ptr]} and {j} of {len(every)}"
-            seen.setdefault(ptr, j)
-    return ""
-
-
 def _end_failed_capture(graph, capture, before) -> None:
     """After an exception inside capture: the caller's stream back, and the capture ended if
     torch's context manager could not end it (it raised before doing so)."""
@@ -370,12 +292,3 @@ def _end_failed_capture(graph, capture, before) -> None:
                 graph.capture_end()
             except RuntimeError:
                 pass  # the capture was invalidated; ending it is all that was wanted
-
-
-def _tensors(returned, while_: str = "captured") -> tuple:
-    """The returned tensors, exactly torch.Tensor (a subclass could compute when cloned)."""
-    items = returned if isinstance(returned, (tuple, list)) else (returned,)
-    if not all(type(t) is torch.Tensor for t in items):
-        raise TypeError(f"while {while_}, the function returned "
-                        f"{', '.join(type(t).__name__ for t in items)}, not plain torch.Tensor")
-    return tuple(items)
