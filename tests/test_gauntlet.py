@@ -63,7 +63,8 @@ def test_every_way_of_telling_timed_calls_apart_has_a_case_that_runs_on_a_cpu():
     rejected on a CPU slot too (the stream's, which needs a GPU, aside), by `timed_outputs`."""
     tells = {c.file for c in CASES if c.vector == "timed ≠ judged"}
     assert tells == {"skips_work_by_torch_state.py", "skips_work_by_call_count.py", "skips_work_on_seen_input.py",
-                     "skips_work_back_to_back.py", "skips_work_off_default_stream.py", "skips_work_uncaptured.py"}
+                     "skips_work_back_to_back.py", "skips_work_off_default_stream.py", "skips_work_uncaptured.py",
+                     "shrinks_output_when_timed.py"}
     for c in CASES:
         if c.vector == "timed ≠ judged":
             assert (c.expect, c.gate, c.ci) == ("fail", "timed_outputs", True), c.name
