@@ -215,8 +215,8 @@ for entry in sys.path:
 ''' + RMSNORM
 
 
-@pytest.mark.parametrize("extra, keep_time", [("#", True), ("", False)], ids=["changed bytes, same time",
-                                                                           "same bytes, new time"])
+@pytest.mark.parametrize("extra, keep_time", [("#", True), ("", False)], ids=["changed-bytes-same-time",
+                                                                           "same-bytes-new-time"])
 def test_a_changed_harness_file_fails_harness_integrity(extra, keep_time, tmp_path):
     worker = unpack(current_bundle(), tmp_path)
     v = run_stage("compile", EDITS_HARNESS.format(extra=extra, keep_time=keep_time), LocalExecutor(worker_root=worker))
@@ -281,3 +281,43 @@ def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned()
     assert not timed.outputs
     assert re.fullmatch(r"call 0 of \d+ returned float64 \(4, 64\) where its warm-up returned float32 \(4, 64\)",
                         timed.misfit), timed.misfit
+
+
+# Frames a candidate can write, and the words of the one rule that stops each (stage, frames
+# after what the sandbox sent, words). Without the rule, each would be believed, stop the judge
+# with a traceback, or be stopped later for another reason.
+def _header(**fields) -> bytes:
+    return json.dumps(fields).encode() + b"\n"
+
+
+CHANNEL_RULES = {
+    "a-second-loading": ("check", _frame("loading"), "a frame the sandbox never sends (a second loading frame)"),
+    "a-timing-before-loading": ("bench", _frame("timing", label="decode_b1", dims={}, candidate_us=1.0,
+                                                candidate_us_repeat=1.0, method="wall", sets=2, graph_outputs=0),
+                                "a frame the sandbox never sends (a timing frame for decode_b1 before the candidate "
+                                "was loaded)"),
+    "outputs-never-planned": ("check", _frame("outputs", [torch.zeros(1)], item="check/99999"),
+                              "outputs for 'check/99999', which the plan never asked for"),
+    "a-kind-it-never-sends": ("check", _frame("verdict", status="pass"), "unexpected frame 'verdict' in the check stage"),
+    "an-oversized-payload": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "uint8", "shape": [1 << 40]}],
+                                              nbytes=[1 << 40]), "exceeds the"),
+    "an-unknown-dtype": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float128", "shape": [1]}],
+                                          nbytes=[16]) + bytes(16), "unknown dtype 'float128'"),
+    "a-payload-off-its-shape": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [3]}],
+                                                 nbytes=[4]) + bytes(4), "payload does not fit shape [3]"),
+    "a-header-past-the-limit": ("check", b"x" * (1 << 20) + b"\n", "header line too long"),
+}
+
+
+@pytest.mark.parametrize("rule", CHANNEL_RULES)
+def test_each_channel_rule_stops_its_frame_in_its_own_words(rule):
+    stage, frames, words = CHANNEL_RULES[rule]
+    judge, v = _judge(stage)
+    before = b"".join(_frame("baseline", label=i["shape"], eager_us=50.0, eager_how="wall", eager_fallback="",
+                             compile_us=None, compile_how="", compile_fallback="", graphs_off="")
+                      for i in judge.plan["shapes"]) if stage == "bench" else b""
+    if rule != "a-timing-before-loading":
+        before += _frame("loading")
+    _read(judge, before + frames + _frame("done"))
+    assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
+    assert words in v.failing_gate.detail, v.failing_gate.detail
