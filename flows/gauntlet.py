@@ -50,7 +50,8 @@ class Row:
         v, c = self.verdict, self.case
         if c.expect == "pass":
             return v.status == PASS and set(c.flags) <= set(v.flags)
-        return v.status == c.expect and v.failing_gate is not None and v.failing_gate.name == c.gate
+        return (v.status == c.expect and v.failing_gate is not None and v.failing_gate.name == c.gate
+                and c.detail in v.failing_gate.detail)
 
 
 def target_for(case: Case, target: Target) -> Target:

@@ -31,11 +31,13 @@ class Case:
     gpu_only: bool = False  # its vector exists only on a GPU (CUDA-graph capture): not run on a CPU slot
     gpu: bool = False  # a GPU checks more of it than a CPU (graphs, streams, device memory, timers)
     dtype: str = ""  # "fp8": the case runs on the op's fp8 target; "": on the run's dtype
+    detail: str = ""  # words the failing gate's detail must contain: the check that caught it, not another
 
     def __post_init__(self) -> None:
         assert self.expect in STATUSES, f"{self.name}: expect must be one of {STATUSES}"
         assert bool(self.file) != bool(self.template), f"{self.name}: give a file or a template, not both"
         assert (self.expect == "pass") == (self.gate == ""), f"{self.name}: a pass has no gate, a rejection has one"
+        assert not (self.detail and self.expect == "pass"), f"{self.name}: a pass has no failing gate's detail"
 
     @property
     def name(self) -> str:

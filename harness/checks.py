@@ -12,7 +12,7 @@ process the candidate never ran in, from inputs redrawn there from the same seed
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +52,12 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-def run_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str) -> CallResult:
-    """Sandbox side: call once and check everything but the values."""
+def run_call(op, fn, args: tuple, out_dtype: torch.dtype, device: str, poison: bool = True) -> CallResult:
+    """Sandbox side: call once and check everything but the values. `poison=False` calls in the
+    process's plain state, the one the bench stage times in (its outputs are judged in that state)."""
     private = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
     threads_before = set(threading.enumerate())
-    with poisoned_allocations():
+    with poisoned_allocations() if poison else nullcontext():
         out = fn(*args)
     synchronize(device)
     left_running = [t.name for t in threading.enumerate() if t not in threads_before and t.is_alive()]

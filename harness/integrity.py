@@ -36,7 +36,7 @@ WATCHED = [
     ("torch", "_C._cuda_synchronize"), ("torch", "_C._cuda_getCurrentStream"), ("torch", "cuda._lazy_init"),
     ("torch", "cuda.device"), ("torch", "cuda._get_device_index"), ("torch", "cuda.graphs.CUDAGraph"),
 ]
-HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.stages", "harness.channel", "harness.device",
+HARNESS_MODULES = ("harness.checks", "harness.timing", "harness.timed_outputs", "harness.stages", "harness.channel", "harness.device",
                    "harness.integrity", "harness.load", "harness.sandbox", "contract.verdict")
 
 

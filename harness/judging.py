@@ -32,7 +32,7 @@ class Judge:
         v.device = devices.describe(self.device)
         self.judged, self.worst, self.done = 0, 0.0, False
         self._go: Callable[[], bool] = lambda: True  # read() sets the real one
-        self.graph_judged = 0  # of the judged outputs, those of a timed CUDA graph
+        self.graph_judged = 0  # of the judged outputs, those of timed calls (graph, events or wall clock)
         self.graph_outputs: dict[str, int] = {}  # per shape, how many of those the sandbox announced
         self.judged_by_shape: dict[str, set[str]] = {}  # bench outputs judged per shape: "refill/0", "graph/5", …
         self.items: set[str] = set()  # every output item judged: the sandbox sends each once
@@ -138,7 +138,7 @@ class Judge:
                                                "in the candidate's process sent settle frames")
         elif (kind == "timing" and self.job.stage == "bench" and isinstance(header.get("label"), str)
               and header["label"] in self.roofline):
-            # One per shape, announcing how many outputs of its timed graphs follow. A second one,
+            # One per shape, announcing how many outputs of its timed calls follow. A second one,
             # or a negative count, was written by the candidate: a stage stopped at its limit
             # would keep it as a timing whose outputs were all judged.
             check_timing(header)
@@ -147,7 +147,7 @@ class Judge:
             graph_outputs = header["graph_outputs"]
             if header["label"] in self.graph_outputs or graph_outputs < 0:
                 self.v.gate("protocol", False, f"a timing frame for {header['label']} announcing {graph_outputs} "
-                                               "timed-graph outputs: the sandbox sends one per shape, the count "
+                                               "timed-call outputs: the sandbox sends one per shape, the count "
                                                "at least 0")
                 return
             roof, nbytes, flops = self.roofline[header["label"]]
@@ -176,15 +176,17 @@ class Judge:
                 call = self.plan["calls"][item_index(parts[1])]
                 args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
                 where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
-            elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", "graph", "graph-repeat"):
-                spec, phase, j = self.plan["shapes"][item_index(parts[1])], parts[2], item_index(parts[3])
+            elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", *TIMED_RUNS):
+                spec, phase, n = self.plan["shapes"][item_index(parts[1])], parts[2], item_index(parts[3])
+                j = n % len(spec["sets"]) if phase in TIMED_RUNS else n  # call n of a timed run used set n % sets
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill":
                     fresh = self._args(spec["shape"], spec["refill"][j])
                     args = tuple(a if self.op.oracle.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
-                gate = "caching" if phase == "refill" else "timed_outputs"  # timed, graph, graph-repeat
-                where = f"{spec['shape']} ({phase} input set {j})"
+                gate = "caching" if phase == "refill" else "timed_outputs"  # timed, and every timed run's
+                where = (f"{spec['shape']} (call {n} of the {phase} timing, input set {j})" if phase in TIMED_RUNS
+                         else f"{spec['shape']} ({phase} input set {j})")
             else:
                 raise ValueError(item)
         except (ValueError, IndexError, KeyError):
@@ -194,15 +196,15 @@ class Judge:
             self.v.gate("protocol", False, f"outputs for {item!r} a second time")
             return
         self.items.add(item)
-        graph = parts[0] == "bench" and parts[2].startswith("graph")  # what a timed CUDA graph computed
+        run = parts[0] == "bench" and parts[2] in TIMED_RUNS  # what a timed call returned
         rtol = self.job.rules.rtol
         result = judge(self.op.oracle, outs, args, self.job.rules.approval_rtol or rtol)
         if result.ok and result.rel_error > rtol and BEYOND_TOLERANCE not in self.v.flags:
             self.v.flags.append(BEYOND_TOLERANCE)
         self.judged += 1
         if parts[0] == "bench":
-            self.judged_by_shape.setdefault(spec["shape"], set()).add(f"{phase}/{j}")
-        self.graph_judged += graph
+            self.judged_by_shape.setdefault(spec["shape"], set()).add(f"{phase}/{n}")
+        self.graph_judged += run
         self.worst = max(self.worst, result.rel_error)
         self.v.max_rel_error = self.worst
         if result.ok:
@@ -213,9 +215,12 @@ class Judge:
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
-        elif graph:
+        elif run and phase.startswith("graph"):
             detail += (" — what the CUDA graph that was timed computed: the candidate does less (or other work) "
                        "while captured than when called")
+        elif run:
+            detail += (" — what a call returned while it was timed: the candidate does less (or other work) when "
+                       "timed than when its outputs are otherwise checked")
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
 
     # -- the end --------------------------------------------------------------
@@ -238,7 +243,12 @@ class Judge:
             how = f"killed by signal {-returncode}" if returncode and returncode < 0 else f"exit code {returncode}"
             v.crash("process", self._ended_early(f"the candidate's process ended ({how}) before its report was complete"))
             return
-        if self.job.stage == "check":
+        if self.job.stage == "compile" and not any(g.name == "compile" and g.passed for g in v.gates):
+            # a `done` with no pass before it: the candidate's process wrote it
+            total = len(self.job.shapes) + len(self.job.odd_shapes)
+            v.gate("protocol", False, f"the compile stage's report ended without its pass, after "
+                                      f"{len(self.compiling)} of {total} shapes were called")
+        elif self.job.stage == "check":
             expected = len(self.plan["calls"])
             if self.judged != expected:
                 v.gate("protocol", False, f"{self.judged} of {expected} planned calls reported")
@@ -258,7 +268,7 @@ class Judge:
             graph_outputs = sum(self.graph_outputs.values())
             if self.judged - self.graph_judged != probes or self.graph_judged != graph_outputs:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
-                                          f"{self.graph_judged} of {graph_outputs} timed-graph outputs reported")
+                                          f"{self.graph_judged} of {graph_outputs} timed-call outputs reported")
                 return
             speed_of_light(self.job, v)
 
@@ -272,13 +282,13 @@ class Judge:
         if self.job.stage == "check":
             return f"{self.judged} of {len(self.plan['calls'])} planned calls judged, all within tolerance"
         if self.job.stage == "bench":
-            # A shape's timing is kept only once everything its timed graphs computed and its
+            # A shape's timing is kept only once everything its timed calls returned and its
             # probes returned was judged: the timing frame comes before those outputs.
             plan = {s["shape"]: s for s in self.plan["shapes"]}
 
             def all_judged(label: str) -> bool:
                 items = self.judged_by_shape.get(label, set())
-                graphs = [i for i in items if i.startswith("graph")]
+                graphs = [i for i in items if i.split("/")[0] in TIMED_RUNS]
                 return probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
 
             judged = [t for t in self.v.timings if all_judged(t.label)]
@@ -296,6 +306,9 @@ class Judge:
 
 
 HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the supervisor alone
+# The bench stage's timed runs whose calls' outputs are judged: the candidate's first timing and
+# its repeat, by each method (harness/timing.py).
+TIMED_RUNS = tuple(f"{how}{repeat}" for how in ("graph", "events", "wall") for repeat in ("", "-repeat"))
 
 
 def speed_of_light(job: Job, v: Verdict) -> None:

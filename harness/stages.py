@@ -163,11 +163,12 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
             send("gate", name="timer_integrity", passed=False, detail=f"{shape.label}: {integrity.swapped_detail(swapped)}")
             return
         reused = cand.reused or cand_2.reused
-        if reused:
+        if reused or cand.misfit or cand_2.misfit:
             send("gate", name="timed_outputs", passed=False,
                  detail=f"{shape.label}: while captured for timing, {reused} returned the same storage — each call "
                         "must return its own output: a result the next call overwrites is lost to its caller, and "
-                        "what the earlier call computed cannot be checked")
+                        "what the earlier call computed cannot be checked" if reused else
+                        f"{shape.label}: while timed, {cand.misfit or cand_2.misfit}: what was timed cannot be checked")
             return
         cand_us, cand_us_2 = cand.us, cand_2.us
         if rounds:
@@ -182,9 +183,9 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
              sets=len(arg_sets),
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
-        for run, timed in (("graph", cand), ("graph-repeat", cand_2)):  # what each timed graph computed
-            for j, outs in timed.outputs.items():
-                send("outputs", list(outs), item=f"bench/{k}/{run}/{j}")
+        for run, timed in ((cand.how, cand), (f"{cand_2.how}-repeat", cand_2)):  # what timed calls returned
+            for c, outs in timed.outputs.items():
+                send("outputs", list(outs), item=f"bench/{k}/{run}/{c}")
         if not _probe(op, fn, arg_sets, shape, item, k, dtype, dev, send):
             return
         del arg_sets, cand, cand_2  # before the next shape's sets are drawn
@@ -215,7 +216,7 @@ def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> b
                     if isinstance(a, torch.Tensor) and not op.is_persistent(i):
                         a.copy_(b)
         for j in probed:
-            result = run_call(op, fn, arg_sets[j], dtype, dev)
+            result = run_call(op, fn, arg_sets[j], dtype, dev, poison=False)  # as it was timed
             if not result.ok:
                 send("gate", name=result.gate, passed=False, detail=f"{item['shape']} ({phase} set {j}): {result.detail}")
                 return False

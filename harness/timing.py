@@ -9,11 +9,12 @@ verdict marks them so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from os import urandom as _urandom
 from time import perf_counter
 from typing import Any, Callable, Sequence
 
 import torch
+
+from harness.timed_outputs import GRAPH_CHECKS, Kept, checked_sets, reused_storage, tensors  # noqa: F401
 
 # Every timer and reduction a measurement goes through is bound here, at import, before any
 # candidate exists (docs/gates.md, timer patching): a candidate that swaps one on its
@@ -62,28 +63,6 @@ class Method:
     graph: bool = False
 
 
-# Of a timed graph's calls, the judge checks the first, the last and this many others drawn at
-# random once the graph has run. A function that skips work on a share f of the sets while it is
-# captured escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
-# 10% gain needs.
-GRAPH_CHECKS = 32
-
-
-def _below(n: int) -> int:
-    """Uniform in [0, n), n < 2**31, from os.urandom (bound at import; random's classes are
-    looked up at call time, so a candidate could make their draws predictable)."""
-    bits = n.bit_length()
-    while True:
-        r = int.from_bytes(_urandom(4), "big") >> (32 - bits)
-        if r < n:
-            return r
-
-
-def _draw(population: range, k: int) -> list[int]:
-    """`k` distinct members of `population`, each pick uniform over those left."""
-    left = list(population)
-    return [left.pop(_below(len(left))) for _ in range(k)]
-
 # At most this many input sets a shape. Twice an H200's L2 (2 x 60 MiB) is covered down to calls
 # of ~60 KB (every decode shape from batch 8 up); below that the sets stay partly in L2, and each
 # timing says so (ShapeTiming.l2_cover). It was 64 until 2026-12-03: every call under ~1.9 MB
@@ -117,12 +96,17 @@ class Timed:
     us: float  # median per call
     how: str  # "graph", "events" or "wall"
     fallback: str = ""  # a graph was asked for and could not be captured: why
-    # graph: {input set: what its captured call returned, as the last replay left it}, for the
-    # sets `checked_sets` drew
+    # {call of the timed run: what it returned}, for the calls `checked_sets` drew: call c ran on
+    # input set c % len(sets) (a graph captures one call per set; events and the wall clock rotate
+    # through them from set 0); a graph's as its last replay left them, the others' copied as
+    # each call returned
     outputs: dict = field(default_factory=dict)
     # graph: two captured calls returned the same storage ("calls 3 and 4 of 8"), so the earlier
     # one's values are gone and a call's work cannot be checked: the stage fails `timed_outputs`
     reused: str = ""
+    # events or wall clock: a drawn call returned outputs of another form than its warm-up did
+    # (named), so they cannot be checked: the stage fails `timed_outputs`
+    misfit: str = ""
 
 
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
@@ -149,9 +133,9 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
     of the process, whoever it times."""
     global _graphs_off
     if method.device != "cuda":
-        return Timed(_cpu_median_us(fn, arg_sets, method), "wall")
+        return _timed(_cpu_median_us(fn, arg_sets, method), "wall")
     if not method.graph:
-        return Timed(_events_median_us(fn, arg_sets, method), "events")
+        return _timed(_events_median_us(fn, arg_sets, method), "events")
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
@@ -162,20 +146,33 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method)
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return Timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
+    return _timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
 
 
-def _cpu_median_us(fn, arg_sets, method: Method) -> float:
-    fn(*arg_sets[0])
-    times, deadline = [], perf_counter() + method.rep_ms / 1e3
-    i = 0
-    while len(times) < 3 or (perf_counter() < deadline and len(times) < 50):
-        args = arg_sets[i % len(arg_sets)]
+def _timed(kept: Kept, how: str, fallback: str = "") -> Timed:
+    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit)
+
+
+def _cpu_median_us(fn, arg_sets, method: Method) -> Kept:
+    """The wall clock's median over a number of calls fixed before the first is timed (so the
+    last call is known when it runs, and its outputs are copied as the others' are)."""
+    n_sets = len(arg_sets)
+    first = fn(*arg_sets[0])  # warm-up; its outputs are the model of the copies' buffers
+    t = perf_counter()
+    fn(*arg_sets[1 % n_sets])
+    est = max(perf_counter() - t, 1e-9)
+    kept = Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))))
+    del first
+    times = []
+    for c in range(kept.calls):
+        args = arg_sets[c % n_sets]
         t = perf_counter()
-        fn(*args)
+        out = fn(*args)
         times.append(perf_counter() - t)
-        i += 1
-    return median(times) * 1e6
+        kept.take(c, out)
+        del out  # freed as every call's is: the next call's allocations see what an unkept one leaves
+    kept.us = median(times) * 1e6
+    return kept
 
 
 def host_rounds(fn: Callable[..., Any], arg_sets: Sequence[tuple], reps: int = 10,
@@ -214,7 +211,7 @@ def _estimate_ms(run_once: Callable[[], None]) -> float:
     return max(_elapsed(start, end) / 5, 1e-4)
 
 
-def _events_median_us(fn, arg_sets, method: Method) -> float:
+def _events_median_us(fn, arg_sets, method: Method) -> Kept:
     n_sets = len(arg_sets)
     counter = iter(range(1 << 62))
 
@@ -224,15 +221,19 @@ def _events_median_us(fn, arg_sets, method: Method) -> float:
     est = _estimate_ms(run_once)
     for _ in range(max(1, int(method.warmup_ms / est))):
         run_once()
-    reps = max(10, min(2000, int(method.rep_ms / est)))
-    starts, ends, stream = _events(reps), _events(reps), _current_stream()
+    kept = Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))))
+    starts, ends, stream = _events(kept.calls), _events(kept.calls), _current_stream()
     _synchronize()
-    for s, e in zip(starts, ends):
+    for c, (s, e) in enumerate(zip(starts, ends)):
+        args = arg_sets[c % n_sets]
         _record(s, stream)
-        run_once()
+        out = fn(*args)
         _record(e, stream)
+        kept.take(c, out)  # a copy queued after the end event: on the device, between two timings
+        del out
     _synchronize()
-    return _median_elapsed_ms(starts, ends) * 1e3
+    kept.us = _median_elapsed_ms(starts, ends) * 1e3
+    return kept
 
 
 def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
@@ -257,7 +258,7 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
     except BaseException:
         _end_failed_capture(graph, capture, before)
         raise
-    every = [_tensors(r) for r in returned]
+    every = [tensors(r) for r in returned]
     reused = reused_storage(every)
     for outs in every:
         for t in outs:
@@ -281,26 +282,6 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
     return per_replay_ms * 1e3 / len(arg_sets), outputs, reused
 
 
-def checked_sets(n: int, draws: int | None = None) -> list[int]:
-    """Which of `n` captured calls the judge checks: the first, the last, and `draws` (default
-    GRAPH_CHECKS) of the others at random, from the operating system's entropy."""
-    middle = range(1, n - 1)
-    k = min(GRAPH_CHECKS if draws is None else draws, len(middle))
-    return sorted({0, n - 1, *_draw(middle, k)})
-
-
-def reused_storage(every: list[tuple]) -> str:
-    """'' when every call returned storage of its own; else which two calls returned the same."""
-    seen: dict[int, int] = {}
-    for j, outs in enumerate(every):
-        for t in outs:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr in seen and seen[ptr] != j:
-                return f"calls {seen[ptr]} and {j} of {len(every)}"
-            seen.setdefault(ptr, j)
-    return ""
-
-
 def _end_failed_capture(graph, capture, before) -> None:
     """After an exception inside capture: the caller's stream back, and the capture ended if
     torch's context manager could not end it (it raised before doing so)."""
@@ -311,12 +292,3 @@ def _end_failed_capture(graph, capture, before) -> None:
                 graph.capture_end()
             except RuntimeError:
                 pass  # the capture was invalidated; ending it is all that was wanted
-
-
-def _tensors(returned) -> tuple:
-    """The returned tensors, exactly torch.Tensor (a subclass could compute when cloned)."""
-    items = returned if isinstance(returned, (tuple, list)) else (returned,)
-    if not all(type(t) is torch.Tensor for t in items):
-        raise TypeError("while captured, the function returned "
-                        f"{', '.join(type(t).__name__ for t in items)}, not plain torch.Tensor")
-    return tuple(items)

@@ -57,6 +57,20 @@ def test_case_gets_its_expected_verdict(case, request, bundle_executor):
         assert row.verdict.score() is None
 
 
+def test_every_way_of_telling_timed_calls_apart_has_a_case_that_runs_on_a_cpu():
+    """Timed = judged (docs/gates.md): a case per tell a candidate can key on — global torch state,
+    the call count, the input object, the time since its last return, a capture it breaks — each
+    rejected on a CPU slot too (the stream's, which needs a GPU, aside), by `timed_outputs`."""
+    tells = {c.file for c in CASES if c.vector == "timed ≠ judged"}
+    assert tells == {"skips_work_by_torch_state.py", "skips_work_by_call_count.py", "skips_work_on_seen_input.py",
+                     "skips_work_back_to_back.py", "skips_work_off_default_stream.py", "skips_work_uncaptured.py",
+                     "shrinks_output_when_timed.py"}
+    for c in CASES:
+        if c.vector == "timed ≠ judged":
+            assert (c.expect, c.gate, c.ci) == ("fail", "timed_outputs", True), c.name
+            assert c.gpu_only == (c.file == "skips_work_off_default_stream.py"), c.name
+
+
 def test_manifest_lists_every_file_and_every_vector():
     here = Path(__file__).resolve().parent.parent / "gauntlet"
     listed = {f"{c.op}/{c.file}" for c in CASES if c.file}
@@ -66,7 +80,8 @@ def test_manifest_lists_every_file_and_every_vector():
     vectors = {c.vector for c in CASES if c.ci}
     for v in ("stale output", "input mutation", "caching", "constant / low-signal output", "hidden work",
               "lazy result", "timer patching", "reference fallback", "reading the oracle", "harness editing",
-              "precision downgrade", "runaway", "forged verdict", "network", "process creation", "honest"):
+              "precision downgrade", "runaway", "forged verdict", "network", "process creation", "timed ≠ judged",
+              "honest"):
         assert v in vectors, v
     for op in ("rmsnorm", "silu_mul"):  # every vector on both, in CI
         assert {c.vector for c in CASES if c.op == op and c.expect != "pass" and c.ci} >= RED_TEAM_VECTORS, op
@@ -137,7 +152,7 @@ def test_gpu_only_cases_are_listed_as_not_run_on_a_cpu_slot(capsys):
     if local_pool().slots()[0].gpu is not None:
         pytest.skip("this machine's slot has a GPU: the case runs there")
     assert [c.name for c in CASES if c.gpu_only] == ["rmsnorm/side_stream_unjoined", "rmsnorm/skips_work_captured",
-                                                   "rmsnorm/skips_sets_captured"]
+                                                   "rmsnorm/skips_sets_captured", "rmsnorm/skips_work_off_default_stream"]
     assert main(["gauntlet", "--case", "skips_work_captured"]) == 2
     assert "every chosen case needs a GPU" in capsys.readouterr().err
     assert main(["gauntlet", "--op", "rmsnorm", "--case", "skips_work_captured", "--case", "stale_buffer"]) == 0
