@@ -96,12 +96,13 @@ def test_weight_bytes_of_one_decode_token_are_the_model_less_embeddings_and_idle
         assert weight_bytes(cfg, 1, 2) < weight_bytes(cfg, 32, 2) < 2 * total_params
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b", "llama-3.1-8b",
+                                    "mistral-7b-v0.3", "qwen2.5-7b", "mixtral-8x7b"])
 def test_transformers_config_describes_the_same_model(preset):
     from engine_templates.engine.oracle import hf_config
 
     cfg = ModelConfig.from_preset(PRESETS[preset])
-    assert ModelConfig._parse(hf_config(cfg, "sdpa").to_dict(), cfg.model_type, Path("/nonexistent")) == cfg
+    assert ModelConfig._parse(hf_config(cfg, "sdpa").to_dict(), Path("/nonexistent")) == cfg
 
 
 def test_transformers_model_shares_the_engine_weights_and_computes_the_same_logits():

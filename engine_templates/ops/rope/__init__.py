@@ -10,6 +10,8 @@ model's rope_theta; positions int64 [tokens]. Returns (q_rotated, k_rotated), ne
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from contract.job import Shape
@@ -30,15 +32,30 @@ ROWS_TEMPLATE = Template(
 MAX_POSITIONS = 4096  # table rows in the generated inputs: positions land anywhere in it
 
 
-def cos_sin_table(head_dim: int, max_positions: int, theta: float, device="cpu") -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of the angles in the first half, sin in the second.
+def cos_sin_table(head_dim: int, max_positions: int, theta: float, device="cpu", llama3=None) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of the angles in the first half, sin in the second;
+    `llama3` (models.Llama3Rope): the frequencies rescaled as Llama 3.1's rope_scaling says.
 
     Built as HF transformers builds it (float32 inverse frequencies, float32 outer product), so
     the engine's angles are bit-equal to the oracle's."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
+    if llama3 is not None:
+        inv_freq = _llama3_frequencies(inv_freq, llama3)
     freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, r) -> torch.Tensor:
+    """Wavelengths past the original context's over low_freq_factor slowed by `factor`, those under
+    it over high_freq_factor kept, a linear blend in 1/wavelength between."""
+    old = r.original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old / r.low_freq_factor, inv_freq / r.factor, inv_freq)
+    smooth = (old / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    blended = (1 - smooth) * slowed / r.factor + smooth * slowed
+    medium = ~(wavelen < old / r.high_freq_factor) * ~(wavelen > old / r.low_freq_factor)
+    return torch.where(medium, blended, slowed)
 
 
 def _rotate(x, cos, sin):
