@@ -10,7 +10,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from engine_templates.models import ARCHITECTURES, PRESETS, QK_NORM, Llama3Rope, ModelDims
+from engine_templates.models import ARCHITECTURES, PRESETS, Llama3Rope, ModelDims
 
 ROPE_TYPES = ("default", "llama3")
 QUANT_METHODS = ("fp8",)

@@ -52,6 +52,16 @@ class Workload(BaseModel):
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
 
 
+def model_name(model: str) -> str:
+    """How runs name `model` (their `model` tag): a preset's name, or the absolute path of the
+    config or directory given. ValueError (one line) for neither."""
+    try:
+        model_dims(model)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return model if model in PRESETS else str(Path(model).expanduser().resolve())
+
+
 def is_tiny(model: str) -> bool:
     return model.startswith("tiny")
 
@@ -251,11 +261,7 @@ class Target(BaseModel):
     @field_validator("model")
     @classmethod
     def _known_model(cls, v: str) -> str:
-        try:
-            model_dims(v)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return v if v in PRESETS else str(Path(v).expanduser().resolve())
+        return model_name(v)
 
     @model_validator(mode="after")
     def _model_record(self) -> Target:

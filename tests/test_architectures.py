@@ -174,3 +174,103 @@ def test_a_random_checkpoint_of_a_config_round_trips_through_the_loader(kind, tm
     seq = eng.generate(["Hello world, how are you?"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     oracle = HFOracle(hf)
     assert oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 6) == seq.completion_token_ids
+
+
+LLAMA = CONFIGS["llama"]
+BAD = [  # (config, what the one line says)
+    ({**LLAMA, "model_type": "gemma"}, 'model_type "gemma" is not supported (supported: llama, mistral, qwen2, '
+                                       'qwen3, qwen3_moe, mixtral)'),
+    ({k: v for k, v in LLAMA.items() if k != "hidden_size"}, "missing field 'hidden_size'"),
+    ({**LLAMA, "num_attention_heads": 6}, "num_attention_heads 6 does not divide hidden_size 64"),
+    ({**LLAMA, "num_key_value_heads": 3}, "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     'rope_scaling.rope_type "yarn" is not supported (supported: default, llama3)'),
+    ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling: missing field 'low_freq_factor' of rope_type llama3"),
+    ({**LLAMA, "quantization_config": {"quant_method": "awq", "bits": 4}},
+     'quantization_config.quant_method "awq" is not supported (supported: fp8)'),
+    ({**LLAMA, "attention_bias": True}, "attention_bias: true is not supported"),
+    ({**CONFIGS["qwen2"], "use_sliding_window": True}, "use_sliding_window: true is not supported for qwen2"),
+    ({**CONFIGS["mixtral"], "num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_dirs(tmp_path_factory):
+    dirs = []
+    for i, (config, _) in enumerate(BAD):
+        d = tmp_path_factory.mktemp(f"bad{i}")
+        (d / "config.json").write_text(json.dumps(config))
+        dirs.append(d)
+    return dirs
+
+
+def _one_line(capsys, argv) -> str:
+    from cli.main import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (code, err)
+    return err
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_a_bad_config_is_one_line_naming_the_field_and_exit_2(case, bad_dirs, capsys, tmp_path):
+    d, message = bad_dirs[case], BAD[case][1]
+    assert message in _one_line(capsys, ["engine", "random-checkpoint", "--config", str(d), "--out",
+                                         str(tmp_path / "ckpt"), "--device", "cpu"])
+    assert not (tmp_path / "ckpt").exists()
+    assert message in _one_line(capsys, ["engine", "generate", "--model-dir", str(d), "--prompt", "hi",
+                                         "--device", "cpu"])
+    assert message in _one_line(capsys, ["optimize", "--op", "rmsnorm", "--model", str(d / "config.json")])
+
+
+def test_a_bad_config_logs_no_candidate(bad_dirs, capsys, tracking_home):
+    from conftest import CANDIDATES
+
+    from tracking.store import TrackingConfig, client
+
+    for d, (_, message) in zip(bad_dirs, BAD):
+        assert message in _one_line(capsys, ["evaluate", "--op", "rmsnorm", "--model", str(d), "--candidate",
+                                             str(CANDIDATES / "rmsnorm" / "honest_torch.py")])
+    mlflow = client(TrackingConfig.from_env())
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    assert not experiments or not mlflow.search_runs(experiments)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path, capsys):
+    out = save_hf_model("mistral", tmp_path / "m")
+    capsys.readouterr()  # transformers' progress bar of the save
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
+    err = _one_line(capsys, ["engine", "generate", "--model-dir", str(out), "--prompt", "hi", "--device", "cpu",
+                             "--max-model-len", "256"])
+    assert "sliding_window (128) is shorter than --max-model-len (256)" in err
+    # the same model serves at a context the window covers
+    from cli.main import main
+
+    assert main(["engine", "generate", "--model-dir", str(out), "--prompt", "hi", "--device", "cpu",
+                 "--max-model-len", "128", "--max-tokens", "2", "--dtype", "fp32"]) == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
+def test_the_shipped_templates_serve_each_architecture_as_transformers_does(kind, tmp_path):
+    """Every op from its Triton template (the interpreter on a CPU): rope's on views of the fused
+    qkv projection, after Qwen2's biases; Mixtral's routing through fused_moe's template."""
+    from pathlib import Path
+
+    from engine_templates.engine.kernels import parse_kernels_file
+    from engine_templates.engine.oracle import HFOracle
+
+    out = save_hf_model(kind, tmp_path / kind)
+    kernels = parse_kernels_file(Path(__file__).resolve().parent.parent / "engine_templates" / "engine" / "bench"
+                                 / "templates.json")
+    eng = LLMEngine(EngineConfig(model_dir=out, dtype="fp32", device="cpu", max_num_seqs=2, max_model_len=128,
+                                 block_size=4, kernels=kernels))
+    assert eng.kernel_choices["rope"]["impl"] == "template"
+    oracle = HFOracle.from_dir(out, "fp32")
+    for seq in eng.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True)):
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        assert seq.completion_token_ids == oracle.greedy(prompt, 3), kind
+        expected = oracle.logprobs(prompt, seq.completion_token_ids)
+        assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-3, kind

@@ -10,7 +10,7 @@ import torch
 
 from engine_templates.engine.fp8 import Fp8Scheme
 from engine_templates.hf_config import ConfigError, parse_config
-from engine_templates.models import ARCHITECTURES, QK_NORM, Llama3Rope, ModelDims
+from engine_templates.models import QK_NORM, Llama3Rope, ModelDims
 from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
 
 QUANTIZATIONS = ("", "fp8")

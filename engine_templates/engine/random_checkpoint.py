@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from engine_templates.engine.config import EngineSetupError, ModelConfig, pick_device
-from engine_templates.models import ARCHITECTURES
 from engine_templates.engine.tokenizer import CHATML
+from engine_templates.models import ARCHITECTURES
 
 # Ordinary English, so that AIPerf's synthetic prompts (English prose) get English-like merges.
 CORPUS = [
