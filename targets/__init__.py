@@ -220,10 +220,12 @@ class Target(BaseModel):
     where to run, what to beat."""
 
     model_config = ConfigDict(extra="forbid")
-    # The presets are examples in the Prefect UI's form, not an enum: a config's path is a model too.
+    # In the Prefect UI's form and its server's validation: a preset's name or an absolute path
+    # (where the flow runs); the command line resolves a relative path first.
     model: str = Field("qwen3-8b", description=f"model preset ({', '.join(PRESETS)}), or a model's config.json "
                        "or the directory holding it (an absolute path where the flow runs)",
-                       json_schema_extra={"examples": list(PRESETS)})
+                       json_schema_extra={"pattern": f"^(/.+|{'|'.join(p.replace('.', r'[.]') for p in PRESETS)})$",
+                                          "examples": list(PRESETS)})
     architecture: str | None = Field(None, description="the model's architecture (HF model_type); set from the "
                                      "model, recorded with each run")
     config_sha256: str | None = Field(None, description="sha256 of the model's config.json contents; set from "

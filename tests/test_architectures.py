@@ -274,3 +274,25 @@ def test_the_shipped_templates_serve_each_architecture_as_transformers_does(kind
         assert seq.completion_token_ids == oracle.greedy(prompt, 3), kind
         expected = oracle.logprobs(prompt, seq.completion_token_ids)
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-3, kind
+
+
+def test_a_run_records_the_config_architecture_and_digest(tmp_path, capsys, prefect_server, tracking_home):
+    from conftest import CANDIDATES
+
+    from cli.main import main
+    from engine_templates.hf_config import digest
+    from tracking.store import TrackingConfig, client
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["mixtral"]))
+    code = main(["evaluate", "--op", "rmsnorm", "--model", str(tmp_path), "--decode-batches", "1,3",
+                 "--prefill-tokens", "20", "--contexts", "24", "--dtype", "fp32", "--json",
+                 "--candidate", str(CANDIDATES / "rmsnorm" / "honest_torch.py")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    result = json.loads(out)
+    run = client(TrackingConfig.from_env()).get_run(result["parent_run_id"])
+    params = run.data.params
+    assert params["target.model"] == str(tmp_path.resolve())
+    assert params["target.architecture"] == "mixtral"
+    assert params["target.config_sha256"] == digest(CONFIGS["mixtral"])
+    assert run.data.tags["infersmith.target"].startswith(f"mixtral-{digest(CONFIGS['mixtral'])[:12]}/fp32/")

@@ -408,10 +408,10 @@ def test_model_dir_errors_are_one_line(tmp_path):
         ModelConfig.from_dir(tmp_path / "absent")
     with pytest.raises(ModelDirError, match="has no config.json"):
         ModelConfig.from_dir(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ModelDirError, match="model_type 'llama' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "gemma"}')
+    with pytest.raises(ModelDirError, match='model_type "gemma" is not supported'):
         ModelConfig.from_dir(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96}')
     with pytest.raises(ModelDirError, match="missing field 'num_attention_heads'"):
         ModelConfig.from_dir(tmp_path)
     config = json.loads((checkpoint("dense") / "config.json").read_text())

@@ -79,7 +79,7 @@ def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(
 def test_a_bad_bench_option_is_one_line(capsys, tmp_path):
     code = main(["engine", "bench", "--out", str(tmp_path), "--presets", "qwen3-9000b"])
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown presets" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'qwen3-9000b' is neither a model preset" in err
 
 
 @pytest.mark.parametrize("preset, total_params, moe_params_per_layer", [
