@@ -4,7 +4,6 @@ decode-graph bookkeeping (static buffers, padding rows, width buckets) run witho
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
