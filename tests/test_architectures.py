@@ -296,3 +296,22 @@ def test_a_run_records_the_config_architecture_and_digest(tmp_path, capsys, pref
     assert params["target.architecture"] == "mixtral"
     assert params["target.config_sha256"] == digest(CONFIGS["mixtral"])
     assert run.data.tags["infersmith.target"].startswith(f"mixtral-{digest(CONFIGS['mixtral'])[:12]}/fp32/")
+
+
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "mixtral-8x7b", "qwen3-8b",
+                                    "qwen3-30b-a3b"])
+def test_a_preset_is_the_model_its_written_config_describes(preset):
+    """The config.json a random checkpoint of the preset carries reads back as the preset."""
+    import dataclasses
+
+    from engine_templates.engine.random_checkpoint import config_json
+    from engine_templates.hf_config import parse_config
+    from engine_templates.models import PRESETS
+
+    dims = PRESETS[preset]
+    raw = config_json(ModelConfig.from_preset(dims), bos=0, eos=2)
+    assert raw["architectures"] == [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                     "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+                                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[dims.arch]]
+    back = parse_config(raw, preset)
+    assert dataclasses.replace(back, config_sha256="") == dims
