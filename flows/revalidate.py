@@ -16,7 +16,7 @@ from engine_templates.ops import OPS
 from flows.optimize_op import OpName
 from flows.reproduce import RERUN_ERRORS, rerun
 from gpu_pool.pool import Pool, local_pool
-from targets import GPUClass
+from targets import GPUClass, ModelName
 from tracking.compare import regressions
 from tracking.cost import Cost
 from tracking.history import winners
@@ -38,7 +38,7 @@ def _versions(v: dict[str, str]) -> str:
 
 
 @flow(name="revalidate", log_prints=True)
-def revalidate(ops: list[OpName] | None = None, model: str | None = None, gpu_class: GPUClass = "any",
+def revalidate(ops: list[OpName] | None = None, model: ModelName | None = None, gpu_class: GPUClass = "any",
                engine: bool = True, include_cpu_timed: bool = False, slack: NonNegativeFloat = 0.05,
                engine_slack: NonNegativeFloat = 0.10, pool: Pool | None = None,
                model_dir: str | None = None) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -50,6 +50,15 @@ class Workload(BaseModel):
     decode_batches: list[PositiveInt] = Field(default=[1, 8, 32, 128], min_length=1)
     prefill_tokens: list[PositiveInt] = Field(default=[2048, 16384])
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
+
+
+# In the Prefect UI's forms and its server's validation: a preset's name or an absolute path (where
+# the flow runs); the command line resolves a relative path first (model_name).
+ModelName = Annotated[str, Field(
+    description=f"model preset ({', '.join(PRESETS)}), or a model's config.json or the directory holding it (an "
+                "absolute path where the flow runs)",
+    json_schema_extra={"pattern": f"^(/.+|{'|'.join(p.replace('.', r'[.]') for p in PRESETS)})$",
+                       "examples": list(PRESETS)})]
 
 
 def model_name(model: str) -> str:
@@ -220,12 +229,7 @@ class Target(BaseModel):
     where to run, what to beat."""
 
     model_config = ConfigDict(extra="forbid")
-    # In the Prefect UI's form and its server's validation: a preset's name or an absolute path
-    # (where the flow runs); the command line resolves a relative path first.
-    model: str = Field("qwen3-8b", description=f"model preset ({', '.join(PRESETS)}), or a model's config.json "
-                       "or the directory holding it (an absolute path where the flow runs)",
-                       json_schema_extra={"pattern": f"^(/.+|{'|'.join(p.replace('.', r'[.]') for p in PRESETS)})$",
-                                          "examples": list(PRESETS)})
+    model: ModelName = "qwen3-8b"
     architecture: str | None = Field(None, description="the model's architecture (HF model_type); set from the "
                                      "model, recorded with each run")
     config_sha256: str | None = Field(None, description="sha256 of the model's config.json contents; set from "
