@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import (
     BaseModel,
@@ -21,10 +21,11 @@ from pydantic import (
 
 from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
-from engine_templates.hf_config import ConfigError, model_dims
+from engine_templates.hf_config import model_dims
 from engine_templates.models import PRESETS, ModelDims
 from engine_templates.ops.base import Op
 from targets.held_out import held_out_shapes
+from targets.model import ModelName, is_tiny
 
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
@@ -50,29 +51,6 @@ class Workload(BaseModel):
     decode_batches: list[PositiveInt] = Field(default=[1, 8, 32, 128], min_length=1)
     prefill_tokens: list[PositiveInt] = Field(default=[2048, 16384])
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
-
-
-# In the Prefect UI's forms and its server's validation: a preset's name or an absolute path (where
-# the flow runs); the command line resolves a relative path first (model_name).
-ModelName = Annotated[str, Field(
-    description=f"model preset ({', '.join(PRESETS)}), or a model's config.json or the directory holding it (an "
-                "absolute path where the flow runs)",
-    json_schema_extra={"pattern": f"^(/.+|{'|'.join(p.replace('.', r'[.]') for p in PRESETS)})$",
-                       "examples": list(PRESETS)})]
-
-
-def model_name(model: str) -> str:
-    """How runs name `model` (their `model` tag): a preset's name, or the absolute path of the
-    config or directory given. ValueError (one line) for neither."""
-    try:
-        model_dims(model)
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-    return model if model in PRESETS else str(Path(model).expanduser().resolve())
-
-
-def is_tiny(model: str) -> bool:
-    return model.startswith("tiny")
 
 
 TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48])
@@ -263,11 +241,6 @@ class Target(BaseModel):
             raise ValueError(f"approval_rtol {self.approval_rtol:g} must be looser than the tolerance "
                              f"{tolerance:g}, not tighter")
         return self
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        return model_name(v)
 
     @model_validator(mode="after")
     def _model_record(self) -> Target:
