@@ -21,7 +21,7 @@ MIXTRAL = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.weight|exp
 MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def model_name(name: str) -> str:
+def weight_name(name: str) -> str:
     """The name a checkpoint entry has among DecoderModel.weights() (or EXPERT's): Mixtral's
     block_sparse_moe names as Qwen3-MoE's."""
     m = MIXTRAL.fullmatch(name)
@@ -57,7 +57,7 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
         with shard:
             for name in shard.keys():
                 weight = name.removesuffix(SCALE_SUFFIX)
-                target, key = _target(model, params, model_name(weight), inter)
+                target, key = _target(model, params, weight_name(weight), inter)
                 if target is None:
                     continue  # e.g. a tied lm_head stored anyway, or rotary buffers
                 tensor = shard.get_tensor(name)
@@ -108,8 +108,9 @@ def _fill(file: Path, name: str, target, tensor: torch.Tensor, scale: torch.Tens
 def random_tensors(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
                    std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight, by DecoderModel.weights()'s names and in its order, drawn on the device one at
-    a time: norms 1, the rest N(0, std) — transformers' own initialisation. The same seed gives
-    the same tensors however many of them are kept."""
+    a time: norms 1, the rest N(0, std) — transformers' own initialisation, but for Qwen2's q/k/v
+    biases, which transformers zeroes and this draws too. The same seed gives the same tensors
+    however many of them are kept."""
     shapes = DecoderModel(cfg, None, None, dtype, "meta").weights()
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, meta in shapes.items():
