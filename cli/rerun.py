@@ -80,7 +80,7 @@ def cmd_revalidate(args) -> int:
     named = [o for part in args.op or [] for o in part.split(",") if o]
     ops = [op_named(o).name for o in named if o != "engine"]
     if args.model:
-        from targets import model_name
+        from targets.model import model_name
 
         try:
             args.model = model_name(args.model)

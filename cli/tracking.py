@@ -38,7 +38,7 @@ def cmd_leaderboard(args) -> int:
     if args.limit < 1:
         raise UsageError(f"--limit must be at least 1, not {args.limit}")
     if args.model:
-        from targets import model_name
+        from targets.model import model_name
 
         try:
             args.model = model_name(args.model)

@@ -223,6 +223,8 @@ def test_a_bad_config_is_one_line_naming_the_field_and_exit_2(case, bad_dirs, ca
     assert message in _one_line(capsys, ["engine", "generate", "--model-dir", str(d), "--prompt", "hi",
                                          "--device", "cpu"])
     assert message in _one_line(capsys, ["optimize", "--op", "rmsnorm", "--model", str(d / "config.json")])
+    # the end-to-end commands take the model from the checkpoint they serve, where it is on this machine
+    assert message in _one_line(capsys, ["serve-bench", "--model-dir", str(d)])
 
 
 def test_a_bad_config_logs_no_candidate(bad_dirs, capsys, tracking_home):

@@ -42,6 +42,7 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--proposer", "genius"], "invalid choice"),
     (["optimize-engine", "--model-dir", ".", "--proposer", "genius"], "invalid choice"),
     (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "is neither a model preset"),
+    (["revalidate", "--model", "qwen9"], "is neither a model preset"),
     (["optimize", "--op", "fused_moe", "--model", "qwen3-8b"], "needs a mixture-of-experts preset"),
     (["gauntlet", "--op", "rmsnorm", "--jobs", "0"], "--jobs must be at least 1"),
     (["gauntlet", "--op", "silu_mul", "--case", "no_such_case"], "no gauntlet case of silu_mul has 'no_such_case'"),
