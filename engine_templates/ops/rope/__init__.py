@@ -4,8 +4,9 @@
     x1, x2 = x[..., :half], x[..., half:]
     rope(x) = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
-q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] are rotated with the same
-angles; cos_sin [max_positions, head_dim] float32 is the table the engine builds once from the
+q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] (each head's channels contiguous;
+tokens and heads may be strided: the engine passes views of its fused qkv rows) are rotated with
+the same angles; cos_sin [max_positions, head_dim] float32 is the table the engine builds once from the
 model's rope_theta; positions int64 [tokens]. Returns (q_rotated, k_rotated), new tensors.
 """
 from __future__ import annotations
@@ -89,11 +90,22 @@ class Rope(HeadShapes, Op):
     n_outputs = 2
     templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
 
+    def odd_shapes(self, model: ModelDims):
+        # As the engine calls it (Llama, Mistral, Qwen2, Mixtral): q and k views of the fused qkv
+        # projection's rows, heads strided by the row, not packed
+        return [*super().odd_shapes(model),
+                Shape("odd_qkv_views", {"tokens": 5, **self._dims(model), "qkv_views": 1})]
+
     def inputs(self, shape, dtype, device, gen, dist):
         d = shape.dims
         t, hd = d["tokens"], d["head_dim"]
-        q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
-        k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
+        if d.get("qkv_views"):
+            qkv = random_tensor((t, (d["q_heads"] + 2 * d["kv_heads"]) * hd), dtype, device, gen, dist)
+            q, k, _ = qkv.split((d["q_heads"] * hd, d["kv_heads"] * hd, d["kv_heads"] * hd), dim=-1)
+            q, k = q.view(t, d["q_heads"], hd), k.view(t, d["kv_heads"], hd)
+        else:
+            q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
+            k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
         cos_sin = cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device)
         positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen, device=gen.device).to(device)
         return q, k, cos_sin, positions
