@@ -232,12 +232,17 @@ def test_a_bad_config_logs_no_candidate(bad_dirs, capsys, tracking_home):
 
     from tracking.store import TrackingConfig, client
 
+    def runs() -> int:
+        mlflow = client(TrackingConfig.from_env())
+        experiments = [e.experiment_id for e in mlflow.search_experiments()]
+        return len(mlflow.search_runs(experiments)) if experiments else 0
+
+    before = runs()  # the store is the session's: other tests' runs may be there
+    capsys.readouterr()  # MLflow's lines on making a fresh store
     for d, (_, message) in zip(bad_dirs, BAD):
         assert message in _one_line(capsys, ["evaluate", "--op", "rmsnorm", "--model", str(d), "--candidate",
                                              str(CANDIDATES / "rmsnorm" / "honest_torch.py")])
-    mlflow = client(TrackingConfig.from_env())
-    experiments = [e.experiment_id for e in mlflow.search_experiments()]
-    assert not experiments or not mlflow.search_runs(experiments)
+    assert runs() == before
 
 
 def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path, capsys):
