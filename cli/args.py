@@ -48,7 +48,10 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
     """The target's options; `kernel`: also those only the kernel stages read (shapes, tolerance,
     input sets), which the end-to-end commands do not take."""
     g = p.add_argument_group("target")
-    g.add_argument("--model", default="qwen3-8b", help="model preset (see `infersmith ops`); default qwen3-8b")
+    g.add_argument("--model", default="qwen3-8b" if kernel else None,
+                   help="model preset (see `infersmith ops`), or a model's config.json or the directory holding it "
+                        "(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral); default " +
+                        ("qwen3-8b" if kernel else "--model-dir where it is on this machine, else qwen3-8b"))
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
                    help="fp8: FP8 (e4m3) weights with bf16 activations, judged against the bf16 model"
                         + (" (the ops with an fp8 target: fused_moe, linear)" if kernel else

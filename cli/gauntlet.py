@@ -79,7 +79,8 @@ def add_commands(sub) -> None:
     g.add_argument("--op", help="only this op's cases (default: every op)")
     g.add_argument("--pool", help="pool.yaml (default: this machine); runs on the first slot")
     g.add_argument("--gpu-class", default="any", help=f"use a slot of this class ({gpu_classes()})")
-    g.add_argument("--model", default="tiny", help="model preset for the shapes (default tiny)")
+    g.add_argument("--model", default="tiny", help="model preset, or a config.json or its directory, for the "
+                   "shapes (default tiny)")
     g.add_argument("--stage-timeout", type=float, default=300.0, help="seconds one stage may run")
     g.add_argument("--case", action="append", help="only cases whose name (op/file or op/template[point]) "
                    "contains this; repeatable")

@@ -19,7 +19,7 @@ from cli.llm import add_llm_options, llm_settings
 
 
 def cmd_ops(args) -> int:
-    from engine_templates.models import PRESETS
+    from engine_templates.models import ARCHITECTURES, PRESETS
     from engine_templates.ops import OPS
 
     for op in OPS.values():
@@ -27,6 +27,7 @@ def cmd_ops(args) -> int:
         for t in op.templates.values():
             print(f"    template {t.name}: {t.size()} points over {', '.join(t.space)}")
     print("model presets: " + ", ".join(PRESETS))
+    print("or --model a config.json (or its directory) of: " + ", ".join(ARCHITECTURES))
     return 0
 
 

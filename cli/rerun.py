@@ -80,10 +80,12 @@ def cmd_revalidate(args) -> int:
     named = [o for part in args.op or [] for o in part.split(",") if o]
     ops = [op_named(o).name for o in named if o != "engine"]
     if args.model:
-        from engine_templates.models import PRESETS
+        from targets.model import model_name
 
-        if args.model not in PRESETS:
-            raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+        try:
+            args.model = model_name(args.model)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.slack < 0 or args.engine_slack < 0:
         raise UsageError("--slack and --engine-slack are fractions of at least 0 (0.05: 5%)")
     pool = pool_of(args.pool)
@@ -129,7 +131,7 @@ def add_commands(sub) -> None:
                                            "exit 1 when one regressed")
     rv.add_argument("--op", action="append", help="only these ops' winners, `engine` for the engine's (repeatable "
                                                   "or comma-separated; default: every op and the engine)")
-    rv.add_argument("--model", help="only this model preset's winners")
+    rv.add_argument("--model", help="only this model's winners: a preset, or a config.json or its directory")
     rv.add_argument("--gpu-class", help=f"only winners of this GPU class ({gpu_classes()})")
     rv.add_argument("--no-engine", action="store_true", help="leave the engine's best configurations out")
     rv.add_argument("--include-cpu", action="store_true", help="also winners timed by the CPU interpreter")

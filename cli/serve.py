@@ -11,12 +11,14 @@ from cli.args import UsageError, add_target_options, open_store, pool_with, targ
 
 
 def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: int = 24):
-    """The target with its serving settings: the preset's, a --serving file over them, then options."""
+    """The target with its serving settings: the model's, a --serving file over them, then options."""
     import yaml
 
     from contract.serve import BASELINE_ENGINES as ENGINES
     from targets import Serving
 
+    if args.model is None:  # the checkpoint served names the model, where this machine can read it
+        args.model = args.model_dir if (Path(args.model_dir) / "config.json").is_file() else "qwen3-8b"
     target = target_of(args, candidates, wall_clock, plateau)
     serving = target.serving.model_dump()
     if args.serving:

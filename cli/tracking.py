@@ -30,7 +30,6 @@ def cost_lines(tracker, op: str, scopes: list[tuple[str, str]], best_of) -> list
 
 
 def cmd_leaderboard(args) -> int:
-    from engine_templates.models import PRESETS
     from tracking.history import board, engine_board
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
@@ -38,8 +37,13 @@ def cmd_leaderboard(args) -> int:
     op = args.op if args.op == ENGINE else op_named(args.op).name
     if args.limit < 1:
         raise UsageError(f"--limit must be at least 1, not {args.limit}")
-    if args.model and args.model not in PRESETS:
-        raise UsageError(f"unknown model preset {args.model!r}; known: {', '.join(PRESETS)}")
+    if args.model:
+        from targets.model import model_name
+
+        try:
+            args.model = model_name(args.model)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     tracker = Tracker(TrackingConfig.from_env())
     if op == ENGINE:
         return _engine_leaderboard(tracker, engine_board(tracker, args.limit, args.model), args.model)
@@ -115,7 +119,7 @@ def add_commands(sub) -> None:
                                             "with their speed-up on held-out shapes where an optimization timed them "
                                             "there, and what finding them cost")
     lb.add_argument("--op", required=True, help="an op (see `infersmith ops`), or `engine`")
-    lb.add_argument("--model", help="only this model preset")
+    lb.add_argument("--model", help="only this model: a preset, or a config.json or its directory")
     lb.add_argument("--limit", type=int, default=20, help="rows shown, at least 1 (default 20)")
     lb.set_defaults(fn=cmd_leaderboard)
 

@@ -7,26 +7,22 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import NonNegativeFloat
 
-from engine_templates.models import PRESETS
 from engine_templates.ops import OPS
 from flows.optimize_op import OpName
 from flows.reproduce import RERUN_ERRORS, rerun
 from gpu_pool.pool import Pool, local_pool
-from targets import GPUClass
+from targets import GPUClass, ModelName
 from tracking.compare import regressions
 from tracking.cost import Cost
 from tracking.history import winners
 from tracking.replay import logged, versions
 from tracking.schema import T, Tracker
 from tracking.store import TrackingConfig
-
-PresetName = Literal[tuple(PRESETS)]  # the Prefect UI offers the presets as choices
 
 
 class Regressed(Exception):
@@ -42,7 +38,7 @@ def _versions(v: dict[str, str]) -> str:
 
 
 @flow(name="revalidate", log_prints=True)
-def revalidate(ops: list[OpName] | None = None, model: PresetName | None = None, gpu_class: GPUClass = "any",
+def revalidate(ops: list[OpName] | None = None, model: ModelName | None = None, gpu_class: GPUClass = "any",
                engine: bool = True, include_cpu_timed: bool = False, slack: NonNegativeFloat = 0.05,
                engine_slack: NonNegativeFloat = 0.10, pool: Pool | None = None,
                model_dir: str | None = None) -> dict:
@@ -50,6 +46,7 @@ def revalidate(ops: list[OpName] | None = None, model: PresetName | None = None,
     configuration of each target, of `model` and `gpu_class` where given, on `pool` (default: this
     machine). Winners timed by the CPU interpreter only with `include_cpu_timed`. An op winner
     regresses past its spread + `slack`; an engine configuration past `engine_slack`.
+    `model`: a preset's name or the config path runs were tagged with (targets.model_name).
     `model_dir`: the checkpoint engine configurations serve (default: the one each logged)."""
     tracker = Tracker(TrackingConfig.from_env())
     pool = pool or local_pool()

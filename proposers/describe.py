@@ -199,7 +199,7 @@ def render_op(d: OpDescription) -> str:
     """What stays the same through an optimization: the op, its shapes, ceilings and template."""
     persistent = ", ".join(d.persistent) or "none"
     out = [f"# Op `{d.signature}`", d.summary, "",
-           f"Target: model preset `{d.model}`, dtype {d.dtype}. Outputs must match the float64 reference within "
+           f"Target: model `{d.model}`, dtype {d.dtype}. Outputs must match the float64 reference within "
            f"||out - ref|| / ||ref|| <= {d.rtol:g}, on fresh random inputs of several distributions.",
            f"Persistent arguments (the same on every call in the engine: you may cache what you derive from "
            f"them): {persistent}. Every other argument changes on every call, in place.",

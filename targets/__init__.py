@@ -21,9 +21,11 @@ from pydantic import (
 
 from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
+from engine_templates.hf_config import model_dims
 from engine_templates.models import PRESETS, ModelDims
 from engine_templates.ops.base import Op
 from targets.held_out import held_out_shapes
+from targets.model import ModelName, is_tiny
 
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
@@ -49,10 +51,6 @@ class Workload(BaseModel):
     decode_batches: list[PositiveInt] = Field(default=[1, 8, 32, 128], min_length=1)
     prefill_tokens: list[PositiveInt] = Field(default=[2048, 16384])
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
-
-
-def is_tiny(model: str) -> bool:
-    return model.startswith("tiny")
 
 
 TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48])
@@ -209,12 +207,15 @@ TINY_SERVING = Serving(traffic=TINY_TRAFFIC, max_model_len=512,
 
 
 class Target(BaseModel):
-    """A model preset, a precision, the shapes of its traffic, where to run, what to beat."""
+    """A model (a preset, or a model's own config.json), a precision, the shapes of its traffic,
+    where to run, what to beat."""
 
     model_config = ConfigDict(extra="forbid")
-    # The enum: the Prefect UI offers the presets as choices and its validation refuses any other.
-    model: str = Field("qwen3-8b", description=f"model preset: {', '.join(PRESETS)}",
-                       json_schema_extra={"enum": list(PRESETS)})
+    model: ModelName = "qwen3-8b"
+    architecture: str | None = Field(None, description="the model's architecture (HF model_type); set from the "
+                                     "model, recorded with each run")
+    config_sha256: str | None = Field(None, description="sha256 of the model's config.json contents; set from "
+                                      "the config (none for a preset), recorded with each run")
     dtype: DType = "bf16"
     workload: Workload = Field(default_factory=Workload)
     gpu_class: GPUClass = "any"
@@ -245,16 +246,23 @@ class Target(BaseModel):
                              f"{tolerance:g}, not tighter")
         return self
 
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        if v not in PRESETS:
-            raise ValueError(f"unknown model preset {v!r}; known: {', '.join(PRESETS)}")
-        return v
+    @model_validator(mode="after")
+    def _model_record(self) -> Target:
+        # Read afresh from the model, whatever a form or an old target.json said.
+        dims = self.dims
+        self.__dict__.update(architecture=dims.arch, config_sha256=dims.config_sha256 or None)
+        return self
 
     @property
     def dims(self) -> ModelDims:
-        return PRESETS[self.model]
+        """The preset's, or the config's as it is now."""
+        return model_dims(self.model)
+
+    @property
+    def model_key(self) -> str:
+        """The model as keys compare it: a preset's name, or a config's architecture and digest
+        (two paths to one config are one model; an edited config is another)."""
+        return self.model if self.model in PRESETS else f"{self.architecture}-{self.config_sha256[:12]}"
 
     @property
     def tolerance(self) -> float:
@@ -279,7 +287,7 @@ class Target(BaseModel):
     def key(self) -> str:
         """What makes two runs comparable: same model, dtype and shapes."""
         w = self.workload
-        return (f"{self.model}/{self.dtype}/d{'-'.join(map(str, w.decode_batches))}"
+        return (f"{self.model_key}/{self.dtype}/d{'-'.join(map(str, w.decode_batches))}"
                 f"/p{'-'.join(map(str, w.prefill_tokens))}/c{'-'.join(map(str, w.contexts))}")
 
     def serve_key(self) -> str:
@@ -294,7 +302,7 @@ class Target(BaseModel):
         unset |= {"reference_model_dir": True} if self.serving.reference_model_dir is None else {}
         unset |= {"accuracy": {"under_load": True}} if self.serving.accuracy.under_load == 0 else {}
         body = self.serving.model_dump_json(exclude=unset)
-        return f"{self.model}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
+        return f"{self.model_key}/{self.dtype}/serve-{hashlib.sha256(body.encode()).hexdigest()[:10]}"
 
     def accuracy_rules(self) -> AccuracyRules:
         a = self.serving.accuracy

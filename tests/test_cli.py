@@ -31,7 +31,7 @@ def test_ops_lists_signatures(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["evaluate", "--op", "nope", "--model", "tiny", "--candidate", str(RMS / "honest_torch.py")], "unknown op 'nope'"),
-    (["evaluate", "--op", "rmsnorm", "--model", "qwen9", "--candidate", str(RMS / "honest_torch.py")], "unknown model preset"),
+    (["evaluate", "--op", "rmsnorm", "--model", "qwen9", "--candidate", str(RMS / "honest_torch.py")], "is neither a model preset"),
     (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", "/no/such/file.py"], "cannot read candidate"),
     (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "syntax_error.py")], "syntax error at line 2"),
     (["evaluate", "--op", "rmsnorm", "--model", "tiny", "--candidate", str(RMS / "wrong_signature.py")], "does not match"),
@@ -41,7 +41,8 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--template", "nope"], "no template 'nope'"),
     (["optimize", "--op", "rmsnorm", "--proposer", "genius"], "invalid choice"),
     (["optimize-engine", "--model-dir", ".", "--proposer", "genius"], "invalid choice"),
-    (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "unknown model preset"),
+    (["leaderboard", "--op", "rmsnorm", "--model", "qwen9"], "is neither a model preset"),
+    (["revalidate", "--model", "qwen9"], "is neither a model preset"),
     (["optimize", "--op", "fused_moe", "--model", "qwen3-8b"], "needs a mixture-of-experts preset"),
     (["gauntlet", "--op", "rmsnorm", "--jobs", "0"], "--jobs must be at least 1"),
     (["gauntlet", "--op", "silu_mul", "--case", "no_such_case"], "no gauntlet case of silu_mul has 'no_such_case'"),
@@ -54,7 +55,7 @@ def test_ops_lists_signatures(capsys):
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--gpu-class", "h200"], "the pool has no host of GPU class h200"),
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--gpu-class", "h999"], "gpu_class: Input should be 'any'"),
     (["gauntlet", "--op", "rmsnorm", "--gpu-class", "l40s"], "the pool has no host of GPU class l40s"),
-    (["gauntlet", "--op", "rmsnorm", "--model", "nope"], "unknown model preset 'nope'"),
+    (["gauntlet", "--op", "rmsnorm", "--model", "nope"], "'nope' is neither a model preset"),
     (["gauntlet", "--op", "rmsnorm", "--stage-timeout", "0"], "stage_timeout_s: Input should be greater than 0"),
     (["optimize", "--op", "rmsnorm", "--model", "tiny", "--stage-limit", "bench=5"],
      "expected compile=SECONDS or check=SECONDS, got 'bench=5'"),
@@ -114,7 +115,7 @@ def test_evaluate_pass_and_fail_exit_codes_and_json(capsys, prefect_server, trac
 def test_the_installed_command_refuses_bad_input_without_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "cli", "optimize", "--op", "rmsnorm", "--model", "nope"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown model preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "'nope' is neither a model preset" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_path):

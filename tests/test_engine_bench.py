@@ -3,6 +3,7 @@ weights of a preset's shape, transformers' model sharing them, the weight-bytes 
 decode-graph bookkeeping (static buffers, padding rows, width buckets) run without capture."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from engine_templates.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from engine_templates.engine.engine import LLMEngine  # noqa: E402
 from engine_templates.engine.loader import random_weights  # noqa: E402
 from engine_templates.engine.sequence import SamplingParams  # noqa: E402
-from engine_templates.models import PRESETS  # noqa: E402
+from engine_templates.models import PRESETS, Llama3Rope  # noqa: E402
 
 # Few programs per launch: Triton's interpreter on a CPU takes time per program.
 SPLIT_KV = KernelSpec("template", "split_kv", {"num_splits": 2, "block_n": 16, "num_warps": 1, "num_stages": 1})
@@ -79,39 +80,56 @@ def test_bench_on_tiny_presets_writes_every_figure_and_agrees_with_transformers(
 def test_a_bad_bench_option_is_one_line(capsys, tmp_path):
     code = main(["engine", "bench", "--out", str(tmp_path), "--presets", "qwen3-9000b"])
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "unknown presets" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'qwen3-9000b' is neither a model preset" in err
 
 
 @pytest.mark.parametrize("preset, total_params, moe_params_per_layer", [
     ("qwen3-8b", 8_190_735_360, 0),  # Qwen/Qwen3-8B, as transformers counts it
     ("qwen3-30b-a3b", 30_532_122_624, 128 * 3 * 768 * 2048),  # Qwen/Qwen3-30B-A3B
+    ("llama-3.1-8b", 8_030_261_248, 0),  # meta-llama/Llama-3.1-8B
+    ("mistral-7b-v0.3", 7_248_023_552, 0),  # mistralai/Mistral-7B-v0.3
+    ("qwen2.5-7b", 7_615_616_512, 0),  # Qwen/Qwen2.5-7B (q/k/v biases included)
+    ("mixtral-8x7b", 46_702_792_704, 8 * 3 * 14336 * 4096),  # mistralai/Mixtral-8x7B-v0.1
 ])
 def test_weight_bytes_of_one_decode_token_are_the_model_less_embeddings_and_idle_experts(
         preset, total_params, moe_params_per_layer):
     cfg = ModelConfig.from_preset(PRESETS[preset])
-    idle_experts = cfg.layers * moe_params_per_layer * (1 - 8 / 128) if cfg.is_moe else 0
+    idle_experts = cfg.layers * moe_params_per_layer * (1 - cfg.experts_per_token / cfg.experts) if cfg.is_moe else 0
     expected = total_params - cfg.vocab * cfg.hidden + cfg.hidden - idle_experts
     assert weight_bytes(cfg, 1, 2) == pytest.approx(2 * expected, rel=1e-12)
-    if cfg.is_moe:  # 32 tokens route to most of the 128 experts
+    if cfg.is_moe:  # 32 tokens route to most of the experts
         assert weight_bytes(cfg, 1, 2) < weight_bytes(cfg, 32, 2) < 2 * total_params
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "qwen3-8b", "qwen3-30b-a3b", "llama-3.1-8b",
+                                    "mistral-7b-v0.3", "qwen2.5-7b", "mixtral-8x7b"])
 def test_transformers_config_describes_the_same_model(preset):
     from engine_templates.engine.oracle import hf_config
 
     cfg = ModelConfig.from_preset(PRESETS[preset])
-    assert ModelConfig._parse(hf_config(cfg, "sdpa").to_dict(), cfg.model_type, Path("/nonexistent")) == cfg
+    assert ModelConfig._parse(hf_config(cfg, "sdpa").to_dict(), Path("/nonexistent")) == cfg
 
 
-def test_transformers_model_shares_the_engine_weights_and_computes_the_same_logits():
+TINY_ARCHITECTURES = {  # the tiny presets' shapes as the other architectures
+    "qwen3_moe": PRESETS["tiny-moe"],
+    "llama": dataclasses.replace(PRESETS["tiny"], arch="llama", rope_scaling=Llama3Rope(8.0, 1.0, 4.0, 64)),
+    "qwen2": dataclasses.replace(PRESETS["tiny"], arch="qwen2", qkv_bias=True),
+    "mixtral": dataclasses.replace(PRESETS["tiny-moe"], arch="mixtral"),
+}
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHITECTURES))
+def test_transformers_model_shares_the_engine_weights_and_computes_the_same_logits(arch):
     from engine_templates.engine.oracle import HFOracle
 
-    cfg = ModelConfig.from_preset(PRESETS["tiny-moe"])
+    cfg = ModelConfig.from_preset(TINY_ARCHITECTURES[arch])
     weights = random_weights(cfg, torch.float32, "cpu", seed=3)
     oracle = HFOracle.sharing(cfg, weights)
+    assert oracle.model.config.model_type == arch
     hf = dict(oracle.model.named_parameters())
-    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.experts.gate_up_proj", "lm_head.weight"):
+    shared = ["model.embed_tokens.weight", "lm_head.weight"] + (["model.layers.1.mlp.experts.gate_up_proj"]
+                                                                  if cfg.is_moe else [])
+    for name in shared:
         assert hf[name].data_ptr() == weights[name].data_ptr()
     assert not any(w.requires_grad for w in weights.values())
     norms = [w for n, w in weights.items() if n.endswith("norm.weight")]

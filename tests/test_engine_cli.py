@@ -58,7 +58,7 @@ def test_malformed_model_dir_and_kernels_file_are_one_line(capsys, tmp_path):
 
 
 def test_profile_bad_input_is_one_line(capsys):
-    for argv, says in ((["--presets", "tiny,nonesuch"], "unknown presets ['nonesuch']"),
+    for argv, says in ((["--presets", "tiny,nonesuch"], "--presets: 'nonesuch' is neither a model preset"),
                        (["--batches", "1,0"], "--batches must be comma-separated positive integers"),
                        (["--batches", "x"], "--batches must be comma-separated positive integers"),
                        (["--steps", "0"], "--steps must be at least 1")):

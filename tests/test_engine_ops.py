@@ -292,3 +292,21 @@ def test_fused_moe_eager_falls_back_to_the_loop_where_grouped_mm_refuses():
         with pytest.raises(RuntimeError, match="16 bytes"):
             grouped_moe(*args)
     assert rel_error(op.eager(*args), op.reference(*args)) < RTOL[torch.bfloat16]
+
+
+def test_rope_is_checked_on_views_of_the_qkv_rows_as_the_engine_calls_it():
+    """A kernel that takes q and k as packed tensors passes the packed shapes and fails the views."""
+    op = get_op("rope")
+    odd = {s.label: s for s in op.odd_shapes(PRESETS["tiny"])}["odd_qkv_views"]
+    q, k, cos_sin, positions = args = draw(op, odd, torch.float32, 0)
+    assert not q.is_contiguous() and q.stride(1) == 16 and q.stride(0) == (4 + 2 * 2) * 16
+
+    def packed(q, k, cos_sin, positions):
+        def pack(x):
+            return x.as_strided(x.shape, (x.shape[1] * x.shape[2], x.shape[2], 1))
+        return op.eager(pack(q), pack(k), cos_sin, positions)
+
+    assert check_call(op, op.eager, args, torch.float32, DEVICE, 1e-4).ok
+    assert not check_call(op, packed, args, torch.float32, DEVICE, 1e-4).ok
+    packed_shape = op.odd_shapes(PRESETS["tiny"])[0]
+    assert check_call(op, packed, draw(op, packed_shape, torch.float32, 0), torch.float32, DEVICE, 1e-4).ok

@@ -102,7 +102,7 @@ def test_a_verdict_reaches_the_agent_without_seeds_held_out_details_or_the_proce
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--model", "nope"], "'nope' is neither a model preset"),
     (["--model", "tiny", "--pool", "/no/such/pool.yaml"], "bad pool file"),
     (["--model", "tiny", "--gpu-class", "h200"], "no host of GPU class h200"),
     (["--model", "tiny", "--decode-batches", "1,x"], "comma-separated integers"),

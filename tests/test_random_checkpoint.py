@@ -74,7 +74,7 @@ def test_moe_shards_hold_the_weights_engine_bench_draws(tmp_path):
     from engine_templates.engine.config import EngineConfig
     from engine_templates.engine.engine import LLMEngine
     from engine_templates.engine.loader import load_weights, random_weights
-    from engine_templates.engine.model import Qwen3Model
+    from engine_templates.engine.model import DecoderModel
     from engine_templates.engine.oracle import HFOracle
     from engine_templates.engine.sequence import SamplingParams
 
@@ -98,7 +98,7 @@ def test_moe_shards_hold_the_weights_engine_bench_draws(tmp_path):
 
     cfg = ModelConfig.from_dir(out)
     assert cfg.is_moe and cfg.moe_layers == (0, 1) and cfg.experts == 8 and cfg.norm_topk_prob
-    model = Qwen3Model(cfg, None, None, torch.bfloat16, "cpu")
+    model = DecoderModel(cfg, None, None, torch.bfloat16, "cpu")
     load_weights(model, out)
     drawn = random_weights(cfg, torch.bfloat16, "cpu", seed=1)
     assert model.weights().keys() == drawn.keys()
@@ -118,7 +118,8 @@ def test_usage_errors_are_one_line(capsys, tmp_path):
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "tiny", "--out", str(out))
     assert code == 2 and err == f"infersmith: --out {out} is not empty (--force writes over its checkpoint)\n"
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "qwen4", "--out", str(tmp_path / "new"))
-    assert code == 2 and err == f"infersmith: unknown preset 'qwen4'; known: {', '.join(PRESETS)}\n"
+    assert code == 2 and err == (f"infersmith: 'qwen4' is neither a model preset ({', '.join(PRESETS)}) nor a "
+                                 f"model's config.json (no such file or directory)\n")
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "tiny", "--layers", "0",
                        "--out", str(tmp_path / "new"))
     assert code == 2 and err == "infersmith: --layers must be at least 1, got 0\n"

@@ -241,5 +241,5 @@ def test_revalidate_is_deployed_beside_the_sweep_on_the_nightly_schedule():
     assert {"ops", "model", "gpu_class", "engine", "include_cpu_timed", "slack", "engine_slack", "pool",
             "model_dir"} <= set(form.properties)
     text = json.dumps(form.model_dump())
-    assert '"rmsnorm"' in text and '"qwen3-8b"' in text  # ops and presets offered as choices
+    assert '"rmsnorm"' in text and '"qwen3-8b"' in text  # ops offered as choices, presets as examples
     assert not declarations(settings, scheduled=["sweep"])[-1].schedules

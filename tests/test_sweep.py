@@ -18,7 +18,7 @@ from tracking.store import TrackingConfig
 
 @pytest.mark.parametrize("body, message", [
     ("ops: [rmsnorm, nope]\ntargets: [{model: tiny}]\n", "ops.1: Input should be 'rmsnorm', 'silu_mul'"),
-    ("ops: [rmsnorm]\ntargets: [{model: qwen9}]\n", "targets.0.model: unknown model preset 'qwen9'; known: "),
+    ("ops: [rmsnorm]\ntargets: [{model: qwen9}]\n", "targets.0.model: 'qwen9' is neither a model preset ("),
     ("ops: [fused_moe]\ntargets: [{model: tiny}]\n", "targets[0] (tiny) cannot take fused_moe: fused_moe needs a "
                                                       "mixture-of-experts preset; tiny is dense"),
     ("ops: [rmsnorm]\ntargets: []\n", "targets: List should have at least 1 item"),

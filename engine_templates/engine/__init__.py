@@ -1,4 +1,4 @@
-"""A small LLM engine (Qwen3 dense and MoE) whose hot ops come from the op registry.
+"""A small LLM engine (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) whose hot ops come from the op registry.
 
 The pipeline, one class each: `LLMEngine.step()` = `Scheduler.schedule()` (which sequences run:
 prompt chunks, decodes, or both in a mixed step) -> `ModelRunner.run()` (the model on their

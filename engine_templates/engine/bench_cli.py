@@ -8,9 +8,11 @@ from pathlib import Path
 def add_bench_commands(sub) -> None:
     """Adds `bench` and `profile` to an argparse subparsers object (each sets `engine_fn`)."""
     b = sub.add_parser("bench", help="time the engine and HF transformers generate on random weights "
-                                     "of model presets; markdown and JSON to --out")
+                                     "of model presets or configs; markdown and JSON to --out")
     b.add_argument("--out", required=True, type=Path, help="directory for engine_bench.md and .json")
-    b.add_argument("--presets", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"])
+    b.add_argument("--presets", "--models", dest="presets", nargs="+", default=["qwen3-8b", "qwen3-30b-a3b"],
+                   help="model presets, or models' config.json files (or their directories): the random weights' "
+                        "architecture and shape (default qwen3-8b qwen3-30b-a3b)")
     b.add_argument("--kernels", action="append", help="an engine variant: a kernels file, or `eager` "
                    "(every op's PyTorch baseline); repeatable (default: eager)")
     b.add_argument("--skip-hf", action="store_true", help="no HF transformers baseline or agreement check")
@@ -46,7 +48,8 @@ def add_bench_commands(sub) -> None:
     b.set_defaults(engine_fn=cmd_bench)
     f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
                                        "graphs, the device's busy time, the roofline, and an eager step's kernels")
-    f.add_argument("--presets", default="qwen3-8b", help="comma-separated model presets (default qwen3-8b)")
+    f.add_argument("--presets", "--models", dest="presets", default="qwen3-8b",
+                   help="comma-separated model presets or config.json paths (default qwen3-8b)")
     f.add_argument("--kernels", type=Path, help="kernels file (default: every op's PyTorch baseline)")
     f.add_argument("--batches", default="1", help="comma-separated decode batch sizes (default 1)")
     f.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")

@@ -66,8 +66,11 @@ def add_commands(sub) -> None:
     r.set_defaults(engine_fn=cmd_serve_reference)
     add_bench_commands(sub)
     c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
-                                                 "weights at a preset's shape and a tokenizer for them")
-    c.add_argument("--preset", required=True, help="the model preset whose shape it has, e.g. qwen3-8b")
+                                                 "weights at a preset's or a config's shape and a tokenizer for them")
+    which = c.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset", help="the model preset whose shape it has, e.g. qwen3-8b or llama-3.1-8b")
+    which.add_argument("--config", help="a model's config.json (or its directory) whose architecture and shape "
+                                        "it has")
     c.add_argument("--out", required=True, type=Path, help="the model directory to write")
     c.add_argument("--seed", type=int, default=0, help="the weights' seed (`engine bench --seed` draws the same)")
     c.add_argument("--device", help="where the weights are drawn: cuda or cpu (default: cuda when available)")
@@ -213,9 +216,9 @@ def cmd_serve_reference(args) -> int:
 def cmd_random_checkpoint(args) -> int:
     from engine_templates.engine.random_checkpoint import human_size, write_random_checkpoint
 
-    r = write_random_checkpoint(args.preset, args.out, seed=args.seed, device=args.device,
+    r = write_random_checkpoint(args.preset or args.config, args.out, seed=args.seed, device=args.device,
                                 layers=args.layers, force=args.force)
-    print(f"{r['preset']}: {r['parameters']:,} parameters, {human_size(r['bytes'])} in {r['shards']} "
+    print(f"{r['model']}: {r['parameters']:,} parameters, {human_size(r['bytes'])} in {r['shards']} "
           f"shard(s), {r['seconds']:.1f} s -> {r['path']}")
     return 0
 

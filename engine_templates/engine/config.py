@@ -1,6 +1,7 @@
 """The engine's settings and the model's, each one validated dataclass built at the edge."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -8,11 +9,11 @@ from pathlib import Path
 import torch
 
 from engine_templates.engine.fp8 import Fp8Scheme
-from engine_templates.models import ModelDims
+from engine_templates.hf_config import ConfigError, parse_config
+from engine_templates.models import QK_NORM, Llama3Rope, ModelDims
 from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
 
 QUANTIZATIONS = ("", "fp8")
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class EngineSetupError(ValueError):
@@ -46,7 +47,7 @@ def pick_device(device: str | None) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs from a HuggingFace config.json of Qwen3 or Qwen3-MoE."""
+    """What the engine needs from a HuggingFace config.json of one of ARCHITECTURES."""
 
     model_type: str
     hidden: int
@@ -67,6 +68,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     fp8: Fp8Scheme | None = None  # FP8 linear layers and experts (a quantized checkpoint's, or asked for)
+    qkv_bias: bool = False
+    rope_scaling: Llama3Rope | None = None
+    sliding_window: int | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type in QK_NORM
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
@@ -94,56 +102,42 @@ class ModelConfig:
             raise ModelDirError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
         if not isinstance(raw, dict):
             raise ModelDirError(f"{path}: expected a JSON object")
-        model_type = raw.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ModelDirError(f"{path}: model_type {model_type!r} is not supported "
-                                f"(supported: {', '.join(ARCHITECTURES)})")
         try:
-            return cls._parse(raw, model_type, path.parent)
-        except KeyError as e:
-            raise ModelDirError(f"{path}: missing field {e.args[0]!r}") from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:
+            return cls._parse(raw, path.parent)
+        except ConfigError as e:
+            raise ModelDirError(f"{path}: {e}") from None
+        except (TypeError, ValueError) as e:
             raise ModelDirError(f"{path}: {e or 'inconsistent values'}") from None
 
     @classmethod
-    def from_preset(cls, dims: ModelDims, max_positions: int = 40960) -> "ModelConfig":
-        """A model of a preset's shape (engine_templates/models.py), as its public config has it:
-        an MoE preset has experts in every layer and renormalised top-k weights, as Qwen3-MoE."""
-        return cls(model_type="qwen3_moe" if dims.is_moe else "qwen3", hidden=dims.hidden,
+    def from_preset(cls, dims: ModelDims, max_positions: int | None = None) -> "ModelConfig":
+        """A model of a preset's (or a parsed config's) shape: an MoE model has experts in every
+        layer and renormalised top-k weights, as Qwen3-MoE's presets and Mixtral have."""
+        return cls(model_type=dims.arch, hidden=dims.hidden,
                    intermediate=dims.intermediate, layers=dims.layers, heads=dims.heads,
                    kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab=dims.vocab,
-                   rms_eps=dims.rms_eps, rope_theta=dims.rope_theta, max_positions=max_positions,
+                   rms_eps=dims.rms_eps, rope_theta=dims.rope_theta,
+                   max_positions=max_positions or dims.max_positions,
                    tie_embeddings=dims.tie_embeddings, experts=dims.experts,
                    experts_per_token=dims.experts_per_token,
                    moe_intermediate=dims.intermediate if dims.is_moe else 0,
-                   norm_topk_prob=dims.is_moe, moe_layers=tuple(range(dims.layers)) if dims.is_moe else ())
+                   norm_topk_prob=dims.is_moe, moe_layers=tuple(range(dims.layers)) if dims.is_moe else (),
+                   qkv_bias=dims.qkv_bias, rope_scaling=dims.rope_scaling, sliding_window=dims.sliding_window)
 
     @classmethod
-    def _parse(cls, raw: dict, model_type: str, model_dir: Path) -> "ModelConfig":
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"rope type {rope.get('rope_type')!r} is not supported (default RoPE only)")
-        if raw.get("attention_bias") or raw.get("use_sliding_window"):
-            raise ValueError("attention bias and sliding-window attention are not supported")
-        heads = int(raw["num_attention_heads"])
-        layers = int(raw["num_hidden_layers"])
-        experts = int(raw.get("num_experts", raw.get("num_local_experts", 0))) if model_type == "qwen3_moe" else 0
-        step = int(raw.get("decoder_sparse_step", 1))
-        skip = set(raw.get("mlp_only_layers", []))
-        moe_layers = tuple(i for i in range(layers) if experts and i not in skip and (i + 1) % step == 0)
-        return cls(
-            model_type=model_type, hidden=int(raw["hidden_size"]),
-            intermediate=int(raw["intermediate_size"]), layers=layers, heads=heads,
-            kv_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            vocab=int(raw["vocab_size"]), rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            max_positions=int(raw.get("max_position_embeddings", 32768)),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            experts=experts, experts_per_token=int(raw.get("num_experts_per_tok", 0)),
-            moe_intermediate=int(raw.get("moe_intermediate_size", 0)),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)), moe_layers=moe_layers,
-            eos_token_ids=_eos_ids(raw, model_dir), fp8=_fp8_scheme(raw.get("quantization_config")))
+    def _parse(cls, raw: dict, model_dir: Path) -> "ModelConfig":
+        """config.json read as hf_config reads it, with what only the engine needs: Qwen3-MoE's
+        dense layers and top-k normalisation, the EOS ids, the FP8 scheme."""
+        dims = parse_config(raw, str(model_dir))
+        cfg = cls.from_preset(dims)
+        if dims.arch == "qwen3_moe":
+            step = int(raw.get("decoder_sparse_step", 1))
+            skip = set(raw.get("mlp_only_layers", []))
+            cfg = dataclasses.replace(
+                cfg, intermediate=int(raw["intermediate_size"]), norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(dims.layers) if i not in skip and (i + 1) % step == 0))
+        return dataclasses.replace(cfg, eos_token_ids=_eos_ids(raw, model_dir),
+                                   fp8=_fp8_scheme(raw.get("quantization_config")))
 
 
 def _fp8_scheme(quant) -> Fp8Scheme | None:

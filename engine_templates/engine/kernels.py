@@ -32,15 +32,13 @@ from engine_templates.ops.fused_moe import eager_path, grouped_usable
 
 log = logging.getLogger("infersmith.engine")
 
-ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "qk_norm_rope", "decode_attention",
+# qk_norm_rope where the architecture normalizes q and k per head (Qwen3), rope where it does not
+ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "qk_norm_rope", "rope", "decode_attention",
               "prefill_attention", "fused_moe")
 IMPLS = ("reference", "eager", "template", "free")
 FIELD_TYPES = {"impl": (str, "a string"), "template": (str, "a template's name"),
                "point": (dict, 'an object of the template\'s parameters, e.g. {"block_n": 0}'),
                "path": (str, "a file path (a string)")}
-# Ops the engine called once and no longer does, with what replaced them: a kernels file (or a
-# tracked engine candidate) from before still loads, the choice ignored with a warning.
-RETIRED_OPS = {"rope": "qk_norm_rope (q/k norms and RoPE in one op)"}
 
 
 class KernelFileError(EngineSetupError):
@@ -61,10 +59,6 @@ def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
     specs = {}
     for op, choice in raw.items():
         where = f"{path}: {op}"
-        if op in RETIRED_OPS:
-            log.warning("%s: the engine no longer calls %s (replaced by %s); this choice is ignored",
-                        path, op, RETIRED_OPS[op])
-            continue
         if op not in ENGINE_OPS:
             raise KernelFileError(f"{where}: not an op the engine uses ({', '.join(ENGINE_OPS)})")
         if not isinstance(choice, dict) or choice.get("impl") not in IMPLS:
@@ -170,9 +164,6 @@ class KernelSet:
     """One callable per engine op, and a record of where each came from."""
 
     def __init__(self, specs: dict[str, KernelSpec]):
-        for op in set(specs) & set(RETIRED_OPS):
-            log.warning("the engine no longer calls %s (replaced by %s); its choice is ignored", op, RETIRED_OPS[op])
-        specs = {op: spec for op, spec in specs.items() if op not in RETIRED_OPS}
         unknown = set(specs) - set(ENGINE_OPS)
         if unknown:
             raise KernelFileError(f"not ops the engine uses: {sorted(unknown)}")

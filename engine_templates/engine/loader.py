@@ -1,4 +1,7 @@
-"""A Qwen3Model's weights: filled from a HuggingFace directory's safetensors shards, or random."""
+"""A DecoderModel's weights: filled from a HuggingFace directory's safetensors shards, or random.
+
+Checkpoints store each expert apart: `mlp.experts.<e>.gate_proj/up_proj/down_proj` (Qwen3-MoE), or
+Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2` with its router at `block_sparse_moe.gate`."""
 from __future__ import annotations
 
 import re
@@ -10,10 +13,24 @@ from safetensors import safe_open
 
 from engine_templates.engine.config import ModelConfig, ModelDirError
 from engine_templates.engine.fp8 import FP8, Fp8Weight, quantize
-from engine_templates.engine.model import EXPERT_STACKS, Qwen3Model
+from engine_templates.engine.model import EXPERT_STACKS, DecoderModel
 
 SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's scales, as Qwen's FP8 releases name them
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+MIXTRAL = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate\.weight|experts\.\d+\.w[123]\.weight)")
+MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def weight_name(name: str) -> str:
+    """The name a checkpoint entry has among DecoderModel.weights() (or EXPERT's): Mixtral's
+    block_sparse_moe names as Qwen3-MoE's."""
+    m = MIXTRAL.fullmatch(name)
+    if not m:
+        return name
+    rest = m.group(2)
+    for old, new in MIXTRAL_EXPERTS.items():
+        rest = rest.replace(f".{old}.", f".{new}.")
+    return f"{m.group(1)}mlp.{rest}"
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -23,7 +40,7 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: Qwen3Model, model_dir: Path) -> None:
+def load_weights(model: DecoderModel, model_dir: Path) -> None:
     """Fills the model from the directory's shards. An FP8 weight (e4m3, with its `_scale_inv`
     beside it, in any shard) goes to an FP8 weight of the model as it is, or dequantized where the
     model keeps that weight in its own dtype; a weight in another dtype is quantized at load where
@@ -40,7 +57,7 @@ def load_weights(model: Qwen3Model, model_dir: Path) -> None:
         with shard:
             for name in shard.keys():
                 weight = name.removesuffix(SCALE_SUFFIX)
-                target, key = _target(model, params, weight, inter)
+                target, key = _target(model, params, weight_name(weight), inter)
                 if target is None:
                     continue  # e.g. a tied lm_head stored anyway, or rotary buffers
                 tensor = shard.get_tensor(name)
@@ -90,10 +107,11 @@ def _fill(file: Path, name: str, target, tensor: torch.Tensor, scale: torch.Tens
 
 def random_tensors(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0,
                    std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every weight, by Qwen3Model.weights()'s names and in its order, drawn on the device one at
-    a time: norms 1, the rest N(0, std) — transformers' own initialisation. The same seed gives
-    the same tensors however many of them are kept."""
-    shapes = Qwen3Model(cfg, None, None, dtype, "meta").weights()
+    """Every weight, by DecoderModel.weights()'s names and in its order, drawn on the device one at
+    a time: norms 1, the rest N(0, std) — transformers' own initialisation, but for Qwen2's q/k/v
+    biases, which transformers zeroes and this draws too. The same seed gives the same tensors
+    however many of them are kept."""
+    shapes = DecoderModel(cfg, None, None, dtype, "meta").weights()
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, meta in shapes.items():
         t = torch.empty(meta.shape, dtype=dtype, device=device)
@@ -111,30 +129,37 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int 
     return dict(random_tensors(cfg, dtype, device, seed, std))
 
 
-def checkpoint_entries(name: str, tensor: torch.Tensor,
-                       moe_intermediate: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, tensor) of one of Qwen3Model.weights(), in the layout HF checkpoints
-    store: an expert stack becomes each expert's own gate_proj, up_proj or down_proj (views of
-    the stack; the inverse of what load_weights fills)."""
+def checkpoint_entries(name: str, tensor: torch.Tensor, moe_intermediate: int,
+                       arch: str = "qwen3_moe") -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of one of DecoderModel.weights(), in the layout HF checkpoints
+    of `arch` store: an expert stack becomes each expert's own gate_proj, up_proj or down_proj
+    (Mixtral: w1, w3, w2, and the router under block_sparse_moe) — views of the stack; the
+    inverse of what load_weights fills."""
+    names = ({v: k for k, v in MIXTRAL_EXPERTS.items()} if arch == "mixtral"
+             else {w: w for w in MIXTRAL_EXPERTS.values()})
+    moe = "block_sparse_moe." if arch == "mixtral" else "mlp."
+    if arch == "mixtral" and name.endswith("mlp.gate.weight"):
+        yield name.removesuffix("mlp.gate.weight") + moe + "gate.weight", tensor
+        return
     for stack in EXPERT_STACKS:
         if name.endswith(stack):
-            prefix = name[:-len(stack)] + "mlp.experts."
+            prefix = name[:-len(stack)] + moe + "experts."
             for e in range(tensor.shape[0]):
                 if stack == EXPERT_STACKS[1]:
-                    yield f"{prefix}{e}.down_proj.weight", tensor[e]
+                    yield f"{prefix}{e}.{names['down_proj']}.weight", tensor[e]
                 else:
-                    yield f"{prefix}{e}.gate_proj.weight", tensor[e, :moe_intermediate]
-                    yield f"{prefix}{e}.up_proj.weight", tensor[e, moe_intermediate:]
+                    yield f"{prefix}{e}.{names['gate_proj']}.weight", tensor[e, :moe_intermediate]
+                    yield f"{prefix}{e}.{names['up_proj']}.weight", tensor[e, moe_intermediate:]
             return
     yield name, tensor
 
 
-def tensor_for(model: Qwen3Model, name: str) -> torch.Tensor | None:
+def tensor_for(model: DecoderModel, name: str) -> torch.Tensor | None:
     """The model's tensor (or expert slice) that a checkpoint or HF parameter name denotes."""
     return _target(model, model.weights(), name, model.cfg.moe_intermediate)[0]
 
 
-def _target(model: Qwen3Model, params: dict[str, torch.Tensor], name: str, inter: int):
+def _target(model: DecoderModel, params: dict[str, torch.Tensor], name: str, inter: int):
     """(the tensor or slice a checkpoint entry is copied into, the key it fills)."""
     if name in params:
         return params[name], name

@@ -1,9 +1,12 @@
-"""Qwen3 and Qwen3-MoE forward passes over a paged KV cache, every hot op from a KernelSet.
+"""The forward pass of every architecture of models.ARCHITECTURES over a paged KV cache, every hot
+op from a KernelSet. They differ in three places only: Qwen3's per-head q/k norms (qk_norm_rope;
+the others rotate with rope), Qwen2's q/k/v biases, and a MoE block (Qwen3-MoE's, Mixtral's:
+softmax over the experts, top-k, weights renormalised where the config says) in place of the MLP.
 
-Weights are plain tensors (no nn.Module): `Qwen3Model.weights()` names each one the way HF
+Weights are plain tensors (no nn.Module): `DecoderModel.weights()` names each one the way HF
 transformers (5.x) names its parameters — the MoE experts stacked per layer as
-`mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] and `mlp.experts.down_proj` — so the
-loader can fill them and an HF model can share them. The matmuls are torch's (through
+`mlp.experts.gate_up_proj` [experts, 2 * inter, hidden] and `mlp.experts.down_proj`, for Mixtral
+too — so the loader can fill them and an HF model can share them. The matmuls are torch's (through
 fp8.Fp8Linear where the config quantizes the linear layers and experts to FP8: those weights are
 then fp8.Fp8Weight); the rest is the kernels' (FP8 experts through fp8_moe.Fp8MoE).
 """
@@ -36,7 +39,7 @@ EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class Layer:
-    def __init__(self, cfg: ModelConfig, index: int, tensor, stacked):
+    def __init__(self, cfg: ModelConfig, index: int, tensor, stacked, biases):
         h, hd, p = cfg.hidden, cfg.head_dim, f"model.layers.{index}."
         self.input_norm = tensor(p + "input_layernorm.weight", h)
         self.post_attention_norm = tensor(p + "post_attention_layernorm.weight", h)
@@ -45,9 +48,12 @@ class Layer:
         self.qkv_split = (cfg.heads * hd, cfg.kv_heads * hd, cfg.kv_heads * hd)
         self.qkv = stacked([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
                             p + "self_attn.v_proj.weight"], self.qkv_split, h)
+        self.qkv_bias = (biases([p + f"self_attn.{x}_proj.bias" for x in "qkv"], self.qkv_split)
+                         if cfg.qkv_bias else None)
         self.o_proj = tensor(p + "self_attn.o_proj.weight", h, cfg.heads * hd, fp8=True)
-        self.q_norm = tensor(p + "self_attn.q_norm.weight", hd)
-        self.k_norm = tensor(p + "self_attn.k_norm.weight", hd)
+        if cfg.qk_norm:
+            self.q_norm = tensor(p + "self_attn.q_norm.weight", hd)
+            self.k_norm = tensor(p + "self_attn.k_norm.weight", hd)
         self.is_moe = index in cfg.moe_layers
         if self.is_moe:
             n = cfg.moe_intermediate
@@ -61,7 +67,7 @@ class Layer:
             self.down_proj = tensor(p + "mlp.down_proj.weight", h, cfg.intermediate, fp8=True)
 
 
-class Qwen3Model:
+class DecoderModel:
     def __init__(self, cfg: ModelConfig, kernels: KernelSet | None, cos_sin: torch.Tensor | None,
                  dtype: torch.dtype, device: str, weights: dict[str, torch.Tensor] | None = None):
         """Empty weights for a loader to fill, or `weights` (every name of `weights()`) used as
@@ -117,8 +123,18 @@ class Qwen3Model:
                 self._weights[name] = part
             return whole
 
+        def biases(names: list[str], rows: tuple[int, ...]):
+            """One vector of the parts' biases, kept in the model's dtype (FP8 or not)."""
+            whole = torch.empty(sum(rows), dtype=dtype, device=device)
+            for name, part in zip(names, whole.split(rows)):
+                if weights is not None:
+                    assert weights[name].shape == part.shape, f"{name}: {tuple(weights[name].shape)}"
+                    part.copy_(weights[name])
+                self._weights[name] = part
+            return whole
+
         self.embed = tensor("model.embed_tokens.weight", cfg.vocab, cfg.hidden)
-        self.layers = [Layer(cfg, i, tensor, stacked) for i in range(cfg.layers)]
+        self.layers = [Layer(cfg, i, tensor, stacked, biases) for i in range(cfg.layers)]
         self.norm = tensor("model.norm.weight", cfg.hidden)
         self.lm_head = self.embed if cfg.tie_embeddings else tensor("lm_head.weight", cfg.vocab, cfg.hidden)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, blocks, block_size, kv_heads, head_dim]
@@ -154,11 +170,19 @@ class Qwen3Model:
     def _attention(self, i: int, layer: Layer, x, positions, attn: AttentionInputs):
         cfg, k = self.cfg, self.k
         tokens, hd = x.shape[0], cfg.head_dim
-        qkv = self.linear(x, layer.qkv)
-        # q and k normalized and rotated straight from qkv's rows; v stays a view of them
-        q, key = k.qk_norm_rope(qkv, cfg.heads, cfg.kv_heads, layer.q_norm, layer.k_norm, cfg.rms_eps,
-                                self.cos_sin, positions)
-        value = qkv.split(layer.qkv_split, dim=-1)[2].view(tokens, cfg.kv_heads, hd)
+        if layer.qkv_bias is None:
+            qkv = self.linear(x, layer.qkv)
+        elif self.linear is F.linear:
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # one rounding, as transformers' nn.Linear
+        else:
+            qkv = self.linear(x, layer.qkv) + layer.qkv_bias
+        q, key, value = (t.view(tokens, -1, hd) for t in qkv.split(layer.qkv_split, dim=-1))
+        # q and k (normalized and) rotated straight from qkv's rows; v stays a view of them
+        if cfg.qk_norm:
+            q, key = k.qk_norm_rope(qkv, cfg.heads, cfg.kv_heads, layer.q_norm, layer.k_norm, cfg.rms_eps,
+                                    self.cos_sin, positions)
+        else:
+            q, key = k.rope(q, key, self.cos_sin, positions)
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         k_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, key)
         v_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, value)

@@ -13,7 +13,7 @@ import torch
 from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.kernels import KernelSet
 from engine_templates.engine.loader import load_weights
-from engine_templates.engine.model import AttentionInputs, Qwen3Model
+from engine_templates.engine.model import AttentionInputs, DecoderModel
 from engine_templates.engine.sampler import Sampler, to_device
 from engine_templates.engine.sequence import Sequence
 from engine_templates.engine.speculative import accept
@@ -54,8 +54,8 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         torch.manual_seed(config.seed)
         cos_sin = cos_sin_table(model_config.head_dim, config.max_model_len, model_config.rope_theta,
-                                device=self.device)
-        self.model = Qwen3Model(model_config, kernels, cos_sin, config.torch_dtype, config.device,
+                                device=self.device, llama3=model_config.rope_scaling)
+        self.model = DecoderModel(model_config, kernels, cos_sin, config.torch_dtype, config.device,
                                 weights)
         if weights is None:
             load_weights(self.model, config.model_dir)

@@ -10,26 +10,21 @@ import torch
 
 from engine_templates.engine.config import DTYPES, ModelConfig
 from engine_templates.engine.loader import tensor_for
-from engine_templates.engine.model import Qwen3Model
+from engine_templates.engine.model import DecoderModel
 
 
 def hf_config(cfg: ModelConfig, attn_implementation: str):
-    """transformers' config of the model the engine's ModelConfig describes."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    """transformers' config of the model the engine's ModelConfig describes: the config.json a
+    checkpoint of it has (random_checkpoint.config_json)."""
+    from transformers import AutoConfig
 
-    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                  num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps,
-                  rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_positions,
-                  tie_word_embeddings=cfg.tie_embeddings, attn_implementation=attn_implementation,
-                  eos_token_id=list(cfg.eos_token_ids) or None, pad_token_id=0)
-    if not cfg.is_moe:
-        return Qwen3Config(**common)
-    return Qwen3MoeConfig(num_experts=cfg.experts, num_experts_per_tok=cfg.experts_per_token,
-                          moe_intermediate_size=cfg.moe_intermediate, norm_topk_prob=cfg.norm_topk_prob,
-                          decoder_sparse_step=1,
-                          mlp_only_layers=[i for i in range(cfg.layers) if i not in cfg.moe_layers],
-                          **common)
+    from engine_templates.engine.random_checkpoint import config_json
+
+    raw = config_json(cfg, bos=0, eos=0)
+    for key in ("architectures", "torch_dtype", "bos_token_id"):
+        del raw[key]
+    raw.update(eos_token_id=list(cfg.eos_token_ids) or None, pad_token_id=0)
+    return AutoConfig.for_model(raw.pop("model_type"), attn_implementation=attn_implementation, **raw)
 
 
 class HFOracle:
@@ -56,14 +51,14 @@ class HFOracle:
     def sharing(cls, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                 attn_implementation: str = "sdpa") -> "HFOracle":
         """transformers' model around the engine's weight tensors (as named by
-        Qwen3Model.weights()), sharing their storage: no second copy of the weights."""
-        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+        DecoderModel.weights()), sharing their storage: no second copy of the weights."""
+        from transformers import AutoModelForCausalLM
 
         config = hf_config(cfg, attn_implementation)
         sample = next(iter(weights.values()))
         with torch.device("meta"):
-            model = (Qwen3MoeForCausalLM if cfg.is_moe else Qwen3ForCausalLM)(config)
-        view = Qwen3Model(cfg, None, None, sample.dtype, sample.device, weights)
+            model = AutoModelForCausalLM.from_config(config)
+        view = DecoderModel(cfg, None, None, sample.dtype, sample.device, weights)
         state = {}
         for name in model.state_dict():
             tensor = view.embed if name == "lm_head.weight" and cfg.tie_embeddings else tensor_for(view, name)

@@ -1,7 +1,8 @@
 """`engine random-checkpoint`: a HuggingFace-format model directory with random weights at a
-model preset's shape, for running the end-to-end stage where no real checkpoint can be fetched.
+model preset's shape, or a config.json's, for running the end-to-end stage where no real
+checkpoint can be fetched.
 
-config.json as the public Qwen3 / Qwen3-MoE configs write it; bf16 weights drawn on the device
+config.json as the public checkpoints of the architecture write it; bf16 weights drawn on the device
 as `engine bench` draws them (loader.random_tensors: the same seed, the same tensors), one tensor
 at a time, into safetensors shards of at most ~4 GB with HF's model.safetensors.index.json, so the
 host holds at most a shard and its serialisation; a byte-level BPE tokenizer trained here on a
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from engine_templates.engine.config import ARCHITECTURES, EngineSetupError, ModelConfig, pick_device
+from engine_templates.engine.config import EngineSetupError, ModelConfig, pick_device
 from engine_templates.engine.tokenizer import CHATML
+from engine_templates.models import ARCHITECTURES
 
 # Ordinary English, so that AIPerf's synthetic prompts (English prose) get English-like merges.
 CORPUS = [
@@ -91,23 +93,41 @@ def train_tokenizer(out: Path, corpus: Iterable[str] = CORPUS, bpe_vocab: int = 
 
 
 def config_json(cfg: ModelConfig, bos: int, eos: int) -> dict:
-    """config.json as the public Qwen3 and Qwen3-MoE checkpoints write it (transformers 4.51
+    """config.json as the public checkpoints of cfg's architecture write it (transformers 4.x
     keys, which transformers 5 and ModelConfig.from_dir read)."""
-    raw = {"architectures": [ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type,
-           "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": bos, "eos_token_id": eos,
+    arch = cfg.model_type
+    raw = {"architectures": [ARCHITECTURES[arch]], "model_type": arch,
+           "attention_dropout": 0.0, "bos_token_id": bos, "eos_token_id": eos,
            "head_dim": cfg.head_dim, "hidden_act": "silu", "hidden_size": cfg.hidden,
            "initializer_range": 0.02, "intermediate_size": cfg.intermediate,
-           "max_position_embeddings": cfg.max_positions, "max_window_layers": cfg.layers,
+           "max_position_embeddings": cfg.max_positions,
            "num_attention_heads": cfg.heads, "num_hidden_layers": cfg.layers,
            "num_key_value_heads": cfg.kv_heads, "rms_norm_eps": cfg.rms_eps, "rope_scaling": None,
-           "rope_theta": cfg.rope_theta, "sliding_window": None, "tie_word_embeddings": cfg.tie_embeddings,
-           "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False, "vocab_size": cfg.vocab}
-    if cfg.is_moe:
+           "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+           "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": cfg.vocab}
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        raw.update(max_window_layers=cfg.layers, sliding_window=None, use_sliding_window=False)
+    if arch in ("llama", "qwen3", "qwen3_moe"):
+        raw.update(attention_bias=False)
+    if arch == "llama":
+        raw.update(mlp_bias=False, pretraining_tp=1)
+    if arch in ("mistral", "mixtral"):
+        raw.update(sliding_window=cfg.sliding_window)
+    if cfg.rope_scaling is not None:
+        r = cfg.rope_scaling
+        raw["rope_scaling"] = {"factor": r.factor, "high_freq_factor": r.high_freq_factor,
+                               "low_freq_factor": r.low_freq_factor,
+                               "original_max_position_embeddings": r.original_max_positions, "rope_type": "llama3"}
+    if arch == "qwen3_moe":
         raw.update(decoder_sparse_step=1, moe_intermediate_size=cfg.moe_intermediate,
                    mlp_only_layers=[i for i in range(cfg.layers) if i not in cfg.moe_layers],
                    norm_topk_prob=cfg.norm_topk_prob, num_experts=cfg.experts,
                    num_experts_per_tok=cfg.experts_per_token, output_router_logits=False,
                    router_aux_loss_coef=0.001)
+    if arch == "mixtral":
+        raw.update(intermediate_size=cfg.moe_intermediate, num_local_experts=cfg.experts,
+                   num_experts_per_tok=cfg.experts_per_token, output_router_logits=False,
+                   router_aux_loss_coef=0.02, router_jitter_noise=0.0)
     return dict(sorted(raw.items()))
 
 
@@ -132,23 +152,25 @@ def _log_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str | None = None,
+def write_random_checkpoint(model: str, out: Path, seed: int = 0, device: str | None = None,
                             layers: int | None = None, force: bool = False,
                             max_shard_bytes: int = MAX_SHARD_BYTES,
                             log: Callable[[str], None] = _log_stderr) -> dict:
-    """Writes the model directory (see the module's docstring); returns its summary: preset,
-    parameters, bytes, shards, seconds, path. A bad request is a one-line EngineSetupError,
-    raised before anything is written."""
+    """Writes the model directory of `model` (a preset's name, or a config.json or a directory
+    holding one; see the module's docstring); returns its summary: model, parameters, bytes,
+    shards, seconds, path. A bad request is a one-line EngineSetupError, raised before anything
+    is written."""
     from safetensors.torch import save_file
 
     from engine_templates.engine.loader import checkpoint_entries, random_tensors
-    from engine_templates.engine.model import Qwen3Model
-    from engine_templates.models import PRESETS
+    from engine_templates.engine.model import DecoderModel
+    from engine_templates.hf_config import ConfigError, model_dims
 
     start = time.perf_counter()
-    if preset not in PRESETS:
-        raise EngineSetupError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    dims = PRESETS[preset]
+    try:
+        dims = full = model_dims(model)
+    except ConfigError as e:
+        raise EngineSetupError(str(e)) from None
     if layers is not None:
         if layers < 1:
             raise EngineSetupError(f"--layers must be at least 1, got {layers}")
@@ -161,7 +183,7 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str |
         raise EngineSetupError(f"--out {out} is not empty (--force writes over its checkpoint)")
     cfg = ModelConfig.from_preset(dims)
     dtype = torch.bfloat16
-    shapes = Qwen3Model(cfg, None, None, dtype, "meta").weights()
+    shapes = DecoderModel(cfg, None, None, dtype, "meta").weights()
     sizes = {name: t.numel() * t.element_size() for name, t in shapes.items()}
     total = sum(sizes.values())
     old = sorted(out.glob("*.safetensors")) + sorted(out.glob("*.safetensors.index.json"))
@@ -184,7 +206,7 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str |
     shards = _shards(sizes, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    log(f"{preset}{f' ({cfg.layers} of {PRESETS[preset].layers} layers)' if layers is not None else ''}: "
+    log(f"{model} ({cfg.model_type}{f', {cfg.layers} of {full.layers} layers' if layers is not None else ''}): "
         f"{human_size(total)} of random bf16 weights drawn on {device} (seed {seed}), "
         f"{len(shards)} shard(s) -> {out}")
     weight_map: dict[str, str] = {}
@@ -194,7 +216,7 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str |
         for expected in names:
             name, tensor = next(drawn)
             assert name == expected, (name, expected)
-            for key, part in checkpoint_entries(name, tensor, cfg.moe_intermediate):
+            for key, part in checkpoint_entries(name, tensor, cfg.moe_intermediate, cfg.model_type):
                 shard[key] = part.to("cpu", copy=True).contiguous()  # its own storage, on the host
                 weight_map[key] = file
             del tensor
@@ -206,5 +228,5 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0, device: str |
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     params = sum(t.numel() for t in shapes.values())
-    return {"preset": preset, "parameters": params, "bytes": total, "shards": len(shards),
+    return {"model": model, "parameters": params, "bytes": total, "shards": len(shards),
             "seconds": time.perf_counter() - start, "path": str(out)}

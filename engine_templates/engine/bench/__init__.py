@@ -32,6 +32,7 @@ from engine_templates.engine.bench.roofline import bounds, weight_bytes
 from engine_templates.engine.config import DTYPES, EngineConfig, EngineSetupError, KernelSpec, ModelConfig
 from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.loader import random_weights
+from engine_templates.hf_config import ConfigError, model_dims
 from engine_templates.models import PRESETS
 
 EAGER = "eager"  # the variant with no kernels file
@@ -79,9 +80,13 @@ class BenchOptions:
                 for spec in ((0, self.spec_tokens) if self.spec_tokens else (0,))]
 
     def __post_init__(self):
-        unknown = [p for p in self.presets if p not in PRESETS]
-        if unknown or not self.presets:
-            raise EngineSetupError(f"--presets: unknown presets {unknown}; known: {', '.join(PRESETS)}")
+        if not self.presets:
+            raise EngineSetupError(f"--presets: name at least one model (presets: {', '.join(PRESETS)})")
+        for model in self.presets:
+            try:
+                model_dims(model)
+            except ConfigError as e:
+                raise EngineSetupError(f"--presets: {e}") from None
         if self.dtype not in DTYPES:
             raise EngineSetupError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.tolerance is not None and not self.tolerance > 0:
@@ -207,7 +212,7 @@ def _hf_system(opts: BenchOptions, cfg: ModelConfig, oracle) -> dict:
 
 def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
     """The preset's figures; `save(partial)` after each system, so a run cut short keeps them."""
-    cfg = ModelConfig.from_preset(PRESETS[preset])
+    cfg = ModelConfig.from_preset(model_dims(preset))
     dtype = DTYPES[opts.dtype]
     _log(f"{preset}: random weights on {opts.device}")
     weights = random_weights(cfg, dtype, opts.device, opts.seed)

@@ -24,7 +24,7 @@ from engine_templates.engine.engine import LLMEngine
 from engine_templates.engine.kernels import parse_kernels_file
 from engine_templates.engine.loader import random_weights
 from engine_templates.engine.sequence import SamplingParams
-from engine_templates.models import PRESETS
+from engine_templates.hf_config import ConfigError, model_dims
 
 
 def _engine(cfg: ModelConfig, weights, kernels, batch: int, context: int, steps: int, eager: bool,
@@ -86,7 +86,7 @@ def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], c
                    top: int, out=None, async_decode: bool = True) -> None:
     if out is None:  # looked up at the call: a redirected or captured stdout gets the report
         out = sys.stdout
-    cfg = ModelConfig.from_preset(PRESETS[preset])
+    cfg = ModelConfig.from_preset(model_dims(preset))
     kernels = parse_kernels_file(kernels_file) if kernels_file else {}
     weights = random_weights(cfg, torch.bfloat16, "cuda")
     copy_gbs = measure("cuda")["copy_bytes_per_s"] / 1e9
@@ -129,10 +129,12 @@ def profile_preset(preset: str, kernels_file: Path | None, batches: list[int], c
 def run(args) -> int:
     """`engine profile` (engine_templates/engine/cli.py has the options)."""
     presets = [s for s in args.presets.split(",") if s]
-    unknown = [s for s in presets if s not in PRESETS]
-    if unknown:
-        print(f"engine profile: unknown presets {unknown}; known: {', '.join(PRESETS)}", file=sys.stderr)
-        return 2
+    for model in presets:
+        try:
+            model_dims(model)
+        except ConfigError as e:
+            print(f"engine profile: --presets: {e}", file=sys.stderr)
+            return 2
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:

@@ -40,7 +40,9 @@ def weight_bytes(cfg: ModelConfig, tokens: int, itemsize: int, matrix_itemsize: 
     h = cfg.hidden
     router = cfg.experts * h if cfg.is_moe else 0
     matrices = cfg.layers * (_layer_matrices(cfg, tokens) - router)
-    rest = cfg.layers * (router + 2 * h + 2 * cfg.head_dim) + h + cfg.vocab * h + min(tokens, cfg.vocab) * h
+    per_layer = router + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)  # norms, and Qwen3's q/k norms
+    per_layer += (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    rest = cfg.layers * per_layer + h + cfg.vocab * h + min(tokens, cfg.vocab) * h
     return matrices * (itemsize if matrix_itemsize is None else matrix_itemsize) + rest * itemsize
 
 

@@ -4,11 +4,14 @@
     x1, x2 = x[..., :half], x[..., half:]
     rope(x) = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)
 
-q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] are rotated with the same
-angles; cos_sin [max_positions, head_dim] float32 is the table the engine builds once from the
+q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] (each head's channels contiguous;
+tokens and heads may be strided: the engine passes views of its fused qkv rows) are rotated with
+the same angles; cos_sin [max_positions, head_dim] float32 is the table the engine builds once from the
 model's rope_theta; positions int64 [tokens]. Returns (q_rotated, k_rotated), new tensors.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,15 +33,30 @@ ROWS_TEMPLATE = Template(
 MAX_POSITIONS = 4096  # table rows in the generated inputs: positions land anywhere in it
 
 
-def cos_sin_table(head_dim: int, max_positions: int, theta: float, device="cpu") -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of the angles in the first half, sin in the second.
+def cos_sin_table(head_dim: int, max_positions: int, theta: float, device="cpu", llama3=None) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of the angles in the first half, sin in the second;
+    `llama3` (models.Llama3Rope): the frequencies rescaled as Llama 3.1's rope_scaling says.
 
     Built as HF transformers builds it (float32 inverse frequencies, float32 outer product), so
     the engine's angles are bit-equal to the oracle's."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta ** exponent)
+    if llama3 is not None:
+        inv_freq = _llama3_frequencies(inv_freq, llama3)
     freqs = torch.outer(torch.arange(max_positions, device=device).float(), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, r) -> torch.Tensor:
+    """Wavelengths past the original context's over low_freq_factor slowed by `factor`, those under
+    it over high_freq_factor kept, a linear blend in 1/wavelength between."""
+    old = r.original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old / r.low_freq_factor, inv_freq / r.factor, inv_freq)
+    smooth = (old / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    blended = (1 - smooth) * slowed / r.factor + smooth * slowed
+    medium = ~(wavelen < old / r.high_freq_factor) * ~(wavelen > old / r.low_freq_factor)
+    return torch.where(medium, blended, slowed)
 
 
 def _rotate(x, cos, sin):
@@ -72,11 +90,22 @@ class Rope(HeadShapes, Op):
     n_outputs = 2
     templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
 
+    def odd_shapes(self, model: ModelDims):
+        # As the engine calls it (Llama, Mistral, Qwen2, Mixtral): q and k views of the fused qkv
+        # projection's rows, heads strided by the row, not packed
+        return [*super().odd_shapes(model),
+                Shape("odd_qkv_views", {"tokens": 5, **self._dims(model), "qkv_views": 1})]
+
     def inputs(self, shape, dtype, device, gen, dist):
         d = shape.dims
         t, hd = d["tokens"], d["head_dim"]
-        q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
-        k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
+        if d.get("qkv_views"):
+            qkv = random_tensor((t, (d["q_heads"] + 2 * d["kv_heads"]) * hd), dtype, device, gen, dist)
+            q, k, _ = qkv.split((d["q_heads"] * hd, d["kv_heads"] * hd, d["kv_heads"] * hd), dim=-1)
+            q, k = q.view(t, d["q_heads"], hd), k.view(t, d["kv_heads"], hd)
+        else:
+            q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
+            k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
         cos_sin = cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device)
         positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen, device=gen.device).to(device)
         return q, k, cos_sin, positions
