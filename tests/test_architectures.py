@@ -322,3 +322,23 @@ def test_a_preset_is_the_model_its_written_config_describes(preset):
                                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[dims.arch]]
     back = parse_config(raw, preset)
     assert dataclasses.replace(back, config_sha256="") == dims
+
+
+def test_quantize_writes_mixtrals_experts_in_fp8_and_the_engine_reads_them_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from engine_templates.engine.fp8 import FP8
+    from engine_templates.engine.quantize import quantize_checkpoint
+
+    src, dst = save_hf_model("mixtral", tmp_path / "bf16"), tmp_path / "fp8"
+    quantize_checkpoint(src, dst, block=0, device="cpu", log=lambda _: None)
+    after = load_file(dst / "model.safetensors")
+    experts = [k for k in after if ".block_sparse_moe.experts." in k and k.endswith(".weight")]
+    assert len(experts) == 2 * 8 * 3  # layers x experts x (w1, w3, w2)
+    assert all(after[k].dtype == FP8 and after[k + "_scale_inv"].dtype == torch.float32 for k in experts)
+    assert after["model.layers.0.block_sparse_moe.gate.weight"].dtype != FP8  # the router stays as it was
+    fp8 = LLMEngine(EngineConfig(model_dir=dst, dtype="fp32", device="cpu", max_num_seqs=1, max_model_len=64))
+    at_load = LLMEngine(EngineConfig(model_dir=src, dtype="fp32", device="cpu", max_num_seqs=1, max_model_len=64,
+                                     quantization="fp8"))  # per channel, as block=0
+    assert [s.completion_token_ids for s in fp8.generate(PROMPTS[:1], GREEDY)] == \
+        [s.completion_token_ids for s in at_load.generate(PROMPTS[:1], GREEDY)]

@@ -27,7 +27,9 @@ from engine_templates.engine.config import EngineSetupError, ModelConfig, pick_d
 from engine_templates.engine.loader import SCALE_SUFFIX, checkpoint_entries, shard_files
 from engine_templates.engine.random_checkpoint import human_size
 
-QUANTIZED = re.compile(r".*\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight")
+# The matrices: attention's, a dense MLP's, and every expert's (Mixtral's named w1, w3, w2).
+QUANTIZED = re.compile(r".*\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj"
+                       r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight")
 INDEX = "model.safetensors.index.json"
 
 
@@ -74,7 +76,7 @@ def quantize_checkpoint(src: Path, dst: Path, block: int = 128, device: str | No
             for name in shard.keys():
                 tensor = shard.get_tensor(name)
                 before += tensor.numel() * tensor.element_size()
-                for key, part in checkpoint_entries(name, tensor, cfg.moe_intermediate):
+                for key, part in checkpoint_entries(name, tensor, cfg.moe_intermediate, cfg.model_type):
                     if QUANTIZED.fullmatch(key) and part.dim() == 2:
                         w = quantize(part.to(device), (block, block) if block else (1, part.shape[1]))
                         out[key], out[key + SCALE_SUFFIX] = w.q.cpu(), w.scale.cpu()
