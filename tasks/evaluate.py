@@ -71,7 +71,8 @@ def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Call
     verdict: Verdict | None = None
     jobs = dict(jobs or jobs_for(candidate, target, slot))
     if baselines is not None and "bench" in jobs:
-        jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]))
+        jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]),
+                                ceilings=baselines.ceilings_for(slot, jobs["bench"]))
     for stage, job in jobs.items():
         run = run_stage(stage, job, slot, target.budget.stage_limit(stage))
         if baselines is not None:

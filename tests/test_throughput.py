@@ -176,6 +176,34 @@ def test_baselines_are_measured_once_per_slot_and_reused_only_where_measured_ali
         assert again.baselines["source"] == "timed" and field in again.baselines["why"], again.baselines
 
 
+def test_the_ceilings_are_measured_once_per_slot_and_carried_only_to_the_device_they_name():
+    """The first bench on a slot measures the device's ceilings; the store keeps them, and the next
+    bench job on the slot carries them, used as they are (no second measurement). A record that
+    names another device, host or version is measured again."""
+    executor, store = LocalExecutor(), Baselines()
+
+    def bench(record: dict | None = None) -> Verdict:
+        job = jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["bench"]
+        job = replace(job, ceilings=record if record is not None else store.ceilings_for(CPU_SLOT, job))
+        verdict = executor.run(job, CPU_SLOT, 120).verdict
+        store.keep(CPU_SLOT, job, verdict)
+        assert verdict.status == "pass", verdict.to_json()
+        return verdict
+
+    first = bench()
+    measured = first.device["ceilings"]
+    assert measured["source"] == "measured" and measured["key"]["name"] == "cpu"
+    assert bench().device["ceilings"]["source"] == "carried"
+    # carried as they are: figures no measurement would give are the verdict's when the key is this device's
+    record = store.ceilings_for(CPU_SLOT, jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["bench"])
+    mine = bench(record | {"copy_bytes_per_s": 1.5e3, "matmul_flops_per_s": 2.5e3})
+    assert (mine.device["ceilings"]["copy_bytes_per_s"], mine.device["ceilings"]["source"]) == (1.5e3, "carried")
+    for field, value in (("name", "another device"), ("host", "another host"), ("torch", "0.0"), ("dtype", "fp8")):
+        forged = record | {"copy_bytes_per_s": 1.5e3, "key": record["key"] | {field: value}}
+        again = bench(forged).device["ceilings"]
+        assert again["source"] == "measured" and again["copy_bytes_per_s"] != 1.5e3, (field, again)
+
+
 def _frame(kind: str, **fields) -> bytes:
     import json
 
