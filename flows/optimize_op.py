@@ -11,7 +11,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 
 from contract.job import Candidate, Shape
-from contract.verdict import PASS, Verdict
+from contract.verdict import Verdict
 from engine_templates.ops import OPS, get_op
 from flows import approval
 from flows.progress import Progress
@@ -23,7 +23,7 @@ from gpu_pool.pool import Pool, Slot, local_pool
 from proposers.base import KNOWLEDGE, point_key
 from proposers.llm import LLMProposer, LLMSettings, Proposal
 from targets import Target
-from tasks.evaluate import Outcome, evaluate, one_line, time_held_out
+from tasks.evaluate import Outcome, evaluate, one_line
 from tasks.propose import propose, propose_code
 from tracking.artifacts import Results
 from tracking.charts import log_optimization_charts
@@ -91,21 +91,14 @@ def malformed(p: Proposal, run_id: str, charge: Charge, tracker: Tracker) -> Out
     return Outcome(p.candidate, verdict, charge, run_id)
 
 
-def time_on_held_out(passed: list[Outcome], target: Target, slots: list[Slot], tracker: Tracker,
-                     held_out: list[Shape], baselines: Baselines) -> list[Outcome]:
-    """The best `target.held_out.timed` passed candidates of this run, timed on its held-out
-    shapes, all at once as the pool allows; each result is printed beside the searched score."""
+def time_on_held_out(passed: list[Outcome], target: Target, held_out: list[Shape]) -> None:
+    """The best `target.held_out.timed` passed candidates of this run, each printed with what its
+    bench stage timed on the held-out shapes (tasks/evaluate.py) beside its searched score."""
     best = sorted(passed, key=lambda o: -o.verdict.score())[:target.held_out.timed] if held_out else []
-    futures = [time_held_out.submit(o, target, slots, tracker, held_out, baselines=baselines) for o in best]
-    timed = [f.result() for f in futures]
-    for searched, o in zip(best, timed):
-        v = o.verdict
-        gate = v.failing_gate
-        got = (f"{v.score():.3g}x" if v.status == PASS else
-               f"{v.status} [{gate.name if gate else '?'}] {gate.detail if gate else ''}")
+    for o in best:
+        got = f"{o.held_out.score():.3g}x" if o.held_out and o.held_out.score() else "not timed"
         print(f"held-out shapes ({', '.join(s.label for s in held_out)}): {o.candidate.label}: "
-              f"searched {searched.verdict.score():.3g}x, held-out {got}")
-    return timed
+              f"searched {o.verdict.score():.3g}x, held-out {got}")
 
 
 @flow(name="optimize-op", log_prints=True)
@@ -223,8 +216,7 @@ def optimize_op(op: OpName = "rmsnorm", target: Target = Target(), proposer: Pro
                 waiting.append(outcome)
             else:
                 report(outcome)
-        for o in time_on_held_out(passed, target, slots, tracker, held_out, baselines):
-            progress.spent(o.charge)
+        time_on_held_out(passed, target, held_out)
     except BaseException as e:
         tracker.fail_parent(parent, f"{type(e).__name__}: {e}")
         raise

@@ -59,14 +59,15 @@ TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[4
 
 
 class HeldOut(BaseModel):
-    """Shapes no proposer sees (targets/held_out.py): every candidate is checked on them, and the
-    best of an optimization are timed on them, so that a kernel tuned to the shown shapes alone
-    shows as such."""
+    """Shapes no proposer sees (targets/held_out.py): every candidate is checked and timed on them
+    (its score is the shown shapes' alone), so that a kernel tuned to the shown shapes alone shows
+    as such."""
 
     model_config = ConfigDict(extra="forbid")
     per_list: NonNegativeInt = Field(1, description="odd sizes drawn from each workload list's range (decode "
                                                     "batches, prefill tokens, contexts); 0: none held out")
-    timed: NonNegativeInt = Field(3, description="best passed candidates of an optimization timed on them at its end")
+    timed: NonNegativeInt = Field(3, description="best passed candidates of an optimization printed with their "
+                                                 "held-out speed-up at its end")
     seed: int | None = Field(None, description="draw from this seed, the same shapes each run; default: "
                                                "drawn afresh for every run")
 

@@ -5,7 +5,7 @@ can be tuned to exactly those sizes and nothing else. Each run draws, from every
 workload (decode batches, prefill tokens, contexts), odd sizes in that list's range that the
 list does not hold (other batch sizes, odd row counts and context lengths), and builds the
 op's shapes from them under labels starting `held_out_`. The check stage checks every candidate
-on them beside the awkward sizes; an optimization times its best candidates on them at its end.
+on them beside the awkward sizes; the bench stage times them after the shown shapes.
 They reach tracking (for the person reading the results) and never a proposer's view: `withheld`
 is applied to every failure text that view carries.
 """
