@@ -26,6 +26,7 @@ from harness import processes
 
 LEARN_TIMEOUT_S = 120.0
 _facts: dict | None = None  # the slot's GPU as `learn` found it; inherited by forks
+_holding: int | None = None  # the pipe the child that keeps the GPU initialised waits on
 
 
 def pick(requested: str) -> str:
@@ -76,34 +77,44 @@ def gpu_facts() -> dict:
 
 def learn() -> str:
     """In the fork server, before it forks: the GPU's facts from a child process of its own, kept
-    for every stage forked from here. '' when learned, else why not (then each stage asks CUDA)."""
-    global _facts
-    r, w = os.pipe()
+    for every stage forked from here. '' when learned, else why not (then each stage asks CUDA).
+
+    The child then stays, idle, until the fork server exits: a process attached to the driver
+    keeps the GPU initialised between stages, as persistence mode would, so that no stage's
+    process pays for bringing it up again."""
+    global _facts, _holding
+    facts_r, facts_w = os.pipe()
+    hold_r, hold_w = os.pipe()
     driver_version()  # nvidia-smi, its own process: asked here once, the answer inherited by every fork
 
     def ask() -> int:
         if not torch.cuda.is_available():
             return 3
-        os.write(w, json.dumps(gpu_facts()).encode())
+        os.write(facts_w, json.dumps(gpu_facts()).encode())
+        os.close(facts_w)
+        os.read(hold_r, 1)  # returns at the fork server's end, when the last write end closes
         return 0
 
-    pid = processes.fork(ask, {2: 2, w: w}, "/")
-    os.close(w)
+    pid = processes.fork(ask, {2: 2, facts_w: facts_w, hold_r: hold_r}, "/")
+    os.close(facts_w)
+    os.close(hold_r)
     data = b""
     try:
-        while select.select([r], [], [], LEARN_TIMEOUT_S)[0] and (chunk := os.read(r, 1 << 16)):
+        while select.select([facts_r], [], [], LEARN_TIMEOUT_S)[0] and (chunk := os.read(facts_r, 1 << 16)):
             data += chunk
     finally:
-        os.close(r)
-        try:
-            os.kill(pid, signal.SIGKILL)  # done writing, or hung on the driver: either way no longer needed
-        except ProcessLookupError:
-            pass
-        processes.Forked(pid).wait()
+        os.close(facts_r)
     try:
         _facts = json.loads(data)
     except ValueError:  # nothing, or cut short: no GPU there, or the child hung or died
+        os.close(hold_w)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        processes.Forked(pid).wait()
         return "the GPU's facts did not come from the child that asked CUDA"
+    _holding = hold_w  # held open, never written: the child waits on it
     return ""
 
 
