@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,8 +22,10 @@ from pydantic import (
 from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
 from engine_templates.models import PRESETS, ModelDims
-from engine_templates.ops.base import Op
 from targets.held_out import held_out_shapes
+
+if TYPE_CHECKING:  # the ops import torch, which a controller that only reads a target need not
+    from engine_templates.ops.base import Op
 
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]

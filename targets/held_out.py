@@ -12,11 +12,13 @@ is applied to every failure text that view carries.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op
+
+if TYPE_CHECKING:  # the ops import torch, which a controller that only reads a target need not
+    from engine_templates.ops.base import Op
 
 PREFIX = "held_out_"
 WITHHELD = "on a held-out shape (its size and the failure's detail are not shown to proposers)"
