@@ -95,9 +95,10 @@ def learn() -> str:
         os.read(hold_r, 1)  # returns at the fork server's end, when the last write end closes
         return 0
 
-    pid = processes.fork(ask, {2: 2, facts_w: facts_w, hold_r: hold_r}, "/")
-    os.close(facts_w)
-    os.close(hold_r)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    pid = processes.fork(ask, {0: devnull, 1: devnull, 2: 2, facts_w: facts_w, hold_r: hold_r}, "/")
+    for fd in (devnull, facts_w, hold_r):
+        os.close(fd)
     data = b""
     try:
         while select.select([facts_r], [], [], LEARN_TIMEOUT_S)[0] and (chunk := os.read(facts_r, 1 << 16)):
