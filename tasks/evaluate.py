@@ -73,9 +73,17 @@ def split_held_out(verdict: Verdict) -> Verdict | None:
     verdict.timings = [t for t in verdict.timings if not is_held_out(t.label)]
     out = copy.deepcopy(verdict)
     out.timings = held
-    if verdict.baselines.get("shapes"):
-        verdict.baselines = {**verdict.baselines, "shapes": {k: v for k, v in verdict.baselines["shapes"].items()
-                                                            if not is_held_out(k)}}
+    b = verdict.baselines
+    if b.get("shapes"):  # the record names and sizes them too: the flow's store keeps it whole
+
+        def shown(d: dict) -> dict:
+            return {k: v for k, v in d.items() if not is_held_out(k)}
+
+        verdict.baselines = {**b, "shapes": shown(b["shapes"])}
+        if isinstance(b.get("key"), dict) and isinstance(b["key"].get("shapes"), dict):
+            verdict.baselines["key"] = {**b["key"], "shapes": shown(b["key"]["shapes"])}
+        if is_held_out(str((b.get("drift") or {}).get("shape", ""))):
+            verdict.baselines.pop("drift")
     return out
 
 
