@@ -204,6 +204,26 @@ def test_the_ceilings_are_measured_once_per_slot_and_carried_only_to_the_device_
         assert again["source"] == "measured" and again["copy_bytes_per_s"] != 1.5e3, (field, again)
 
 
+def test_a_gpu_slots_fork_server_still_serves_where_it_cannot_learn_the_gpu(tmp_path):
+    """On a GPU slot the fork server asks a child of its own what the GPU is, and hashes Triton's
+    and Inductor's files, before it serves; neither leaves it unable to fork a clean stage. Where
+    there is no GPU to learn (this host), it serves all the same: its stages ask CUDA themselves."""
+    executor = LocalExecutor()
+    server = warm.ForkServer(executor.python, executor.worker_root,
+                             executor.env(CPU_SLOT) | {"CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        job = jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["compile"]
+        (tmp_path / "job.json").write_text(job.limited(120).to_json())
+        with open(tmp_path / "stdout.log", "wb") as so, open(tmp_path / "stderr.log", "wb") as se:
+            stage = server.start(["job.json", "--out", str(tmp_path / "verdict.json")], tmp_path, so, se)
+            assert stage is not None, server.why
+            assert stage.wait(120) == 0, (tmp_path / "stderr.log").read_text()
+        verdict = Verdict.from_json((tmp_path / "verdict.json").read_text())
+        assert verdict.status == "pass" and verdict.device["sandbox_start"] == "a fork of the supervisor"
+    finally:
+        server.close()
+
+
 def _frame(kind: str, **fields) -> bytes:
     import json
 
