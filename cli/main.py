@@ -54,9 +54,7 @@ def exit_now(code: int) -> None:
     handlers run (Prefect's server and the fork servers stopped, logs flushed), output flushed.
     Freeing torch's, MLflow's and Prefect's modules object by object took seconds and leaves
     nothing the end of the process does not."""
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    threading._shutdown()  # as the interpreter's exit: its threads' exit hooks (Prefect's log shipping), then the joins
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
