@@ -69,7 +69,8 @@ def breakdown(children: list, t0: float, t_end: float) -> str:
         for part in PARTS:
             key = f"phase_s/{stage}/{part}"
             lines.append(f"| &nbsp;&nbsp;{PART_WORDS[part]} | {fmt(median([x[key] for x in m if key in x]))} |")
-    in_lease = [(e - s) - sum(x.get(f"stage_seconds/{st}", 0.0) for st in STAGES) for (s, e), x in zip(held, m)]
+    in_lease = [sum(e - s for _, s, e in json.loads(c.data.tags.get("infersmith.held", "[]")))
+                - sum(c.data.metrics.get(f"stage_seconds/{st}", 0.0) for st in STAGES) for c in children]
     gaps = [b[0] - a[1] for a, b in zip(held, held[1:])]
     lines += [f"| in the lease, outside the stages (Prefect's task runs) | {fmt(median(in_lease))} |",
               f"| between candidates: the slot idle (tracking, proposing, the lease passing on) | {fmt(median(gaps))} |"]

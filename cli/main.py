@@ -1,8 +1,10 @@
 """The `infersmith` parser and entry point: each command group adds its own commands."""
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 
 from cli import engine, gauntlet, kb, mcp, op, platform, pool, rerun, serve, tracking
 from cli.args import USAGE_ERROR, Parser, UsageError
@@ -39,6 +41,30 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; `argv` None: this process is the command itself (the `infersmith` script,
+    `python -m cli`), which then ends without tearing its interpreter down (`exit_now`)."""
+    code = run(argv)
+    if argv is None:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """End the process as the interpreter's exit would, less the teardown: threads joined, exit
+    handlers run (Prefect's server and the fork servers stopped, logs flushed), output flushed.
+    Freeing torch's, MLflow's and Prefect's modules object by object took seconds and leaves
+    nothing the end of the process does not."""
+    threading._shutdown()  # as the interpreter's exit: its threads' exit hooks (Prefect's log shipping), then the joins
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # closed, or its reader gone: nothing more can be said through it
+    os._exit(code)
+
+
+def run(argv: list[str] | None) -> int:
     # Prefect's telemetry writes to its database while the ephemeral server starts: off.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL", "WARNING")

@@ -50,6 +50,10 @@ def cmd_evaluate(args) -> int:
     from contract.job import screen_signature
 
     target = target_of(args)
+    pool, slots = pool_with(args.pool, target.gpu_class)
+    from gpu_pool.executors import prewarm
+
+    prewarm(slots)  # the stages' fork servers import torch while this process imports its own (the ops')
     op = op_named(args.op, target.dtype)
     shapes_fit(op, target)
     path = Path(args.candidate)
@@ -60,10 +64,6 @@ def cmd_evaluate(args) -> int:
     problem = screen_signature(source, op.name, op.arg_names)
     if problem:
         raise UsageError(f"{path}: {problem}")
-    pool, slots = pool_with(args.pool, target.gpu_class)
-    from gpu_pool.executors import prewarm
-
-    prewarm(slots)  # the stages' fork servers import torch while this process imports the rest
     prefect_ready = prefect_early()
     from flows.evaluate_op import evaluate_candidate
 

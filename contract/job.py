@@ -114,6 +114,9 @@ class Job:
     # bench: the baselines an earlier bench stage measured on this device (its verdict's
     # `baselines`), used only if measured exactly as this job would measure them.
     baselines: dict | None = None
+    # bench: the device's ceilings an earlier bench stage measured on this slot (its verdict's
+    # `device["ceilings"]`), used only if measured on this very device (harness/device.py).
+    ceilings: dict | None = None
 
     def __post_init__(self) -> None:
         assert self.stage in STAGES, f"stage must be one of {STAGES}"
@@ -137,6 +140,7 @@ class Job:
             device=d["device"],
             limit_s=d.get("limit_s"),
             baselines=d.get("baselines"),
+            ceilings=d.get("ceilings"),
         )
 
 

@@ -110,4 +110,4 @@ def decide(outcome: Outcome, target: Target, tracker: Tracker) -> Outcome:
     verdict = outcome.verdict
     verdict.gate("approval", decision.approved, decision.detail())
     tracker.decide_candidate(outcome.run_id, verdict, decision.outcome, decision.by, decision.at, decision.note)
-    return Outcome(outcome.candidate, verdict, outcome.charge, outcome.run_id)
+    return Outcome(outcome.candidate, verdict, outcome.charge, outcome.run_id, held_out=outcome.held_out)

@@ -143,8 +143,14 @@ def gpu_class_of(name: str) -> GPUClassName:
     return "other"
 
 
+# Present wherever a GPU driver torch could use is loaded (NVIDIA's, or ROCm's kernel driver).
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
 def local_pool() -> Pool:
     """This machine: each visible GPU a slot, or one CPU slot running the Triton interpreter."""
+    if not any(Path(p).exists() for p in GPU_DRIVER_PATHS):
+        return Pool(hosts=[Host(name="local")])  # known without importing torch (seconds of a command's start)
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:

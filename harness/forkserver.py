@@ -1,7 +1,9 @@
 """`python -P -B -m harness.forkserver FD`: the warm interpreter every stage process is forked from.
 
-It imports torch, Triton, the ops and the harness once (harness/processes.py), never touches a GPU
-and never runs a candidate, then answers requests on FD, a Unix socket whose other end only its
+It imports torch, Triton, the ops and the harness once (harness/processes.py); on a GPU slot it
+learns what the GPU is from a child of its own (harness/device.py) and has Triton and Inductor
+hash their installed files (their cache keys); it never touches a GPU itself and never runs a
+candidate, then answers requests on FD, a Unix socket whose other end only its
 starter holds (gpu_pool/warm.py): each request names a stage's directory and arguments and
 brings its stdout, stderr and a status pipe. For each, it forks a supervisor — in a session of
 its own, in that directory, running `python -m harness ARGS` — and replies with its pid; when
@@ -32,9 +34,10 @@ def main() -> int:
     try:
         processes.warm_up()
         if os.environ.get("CUDA_VISIBLE_DEVICES"):
-            from harness.device import driver_version
+            from harness.device import learn
 
-            driver_version()
+            learn()  # else each stage asks CUDA itself, as a supervisor started fresh does
+            processes.hash_compilers()
         why = processes.why_not_fork()
     except Exception as e:  # an import that fails here fails in every stage too, where it is reported
         why = f"importing the harness failed: {type(e).__name__}: {e}"

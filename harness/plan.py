@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from contract.job import Job
-from engine_templates import ceilings
 from engine_templates.ops.base import DISTRIBUTIONS, activation_dtype
 from harness import baselines, timing
+from harness import device as devices
 
 _seeds = random.SystemRandom()
 
@@ -47,9 +47,9 @@ def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -
     """`info`: the device's description (harness.device.describe), given its ceilings here, before
     the candidate runs. `sources`: the worker's trees as the supervisor hashed them."""
     dtype = job.rules.dtype
-    ceil = ceilings.ceilings(device, info, dtype)
+    ceil, fresh = devices.ceilings_for(job, device, info)
     info["ceilings"] = ceil
-    if device == "cuda":
+    if device == "cuda" and fresh:
         torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
     l2 = info.get("l2_bytes", 0) if device == "cuda" else 0
     roofline, items = {}, []

@@ -44,6 +44,16 @@ def warm_up() -> None:
         importlib.import_module(name)
 
 
+def hash_compilers() -> None:
+    """Triton's and Inductor's keys of their own installed files (libtriton is hundreds of MB),
+    computed once here: each is cached in the process, and every fork inherits it."""
+    from torch._inductor.codecache import torch_key
+    from triton.runtime.cache import triton_key
+
+    triton_key()
+    torch_key()
+
+
 def not_warm() -> str:
     """'' when this process has imported every module of WARM_MODULES; else which it has not."""
     missing = [name for name in WARM_MODULES if name not in sys.modules]

@@ -49,7 +49,7 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     sys.dont_write_bytecode = True
     if job.stage == "compile":
         caches.prune_free()
-    sandbox = Sandbox(job, scratch) if job.device != "auto" else None
+    sandbox = Sandbox(job, scratch, device) if (device := _device_known(job)) else None
     deadline = Deadline(job.limit_s, t0)
     if sandbox:
         sandbox.watch(deadline)
@@ -75,6 +75,17 @@ def supervise(job: Job, scratch: Path) -> Verdict:
     _note_phases(v, job.stage, [("prepare", t0), ("sandbox_start", sandbox.started_at), *judge.marks.items(),
                                 ("end", time.perf_counter())])
     return v
+
+
+def _device_known(job: Job) -> str | None:
+    """The job's device, where it is known without touching CUDA here (`auto` only where this
+    process was forked from a fork server that learned the GPU): the sandbox is forked before
+    anything touches CUDA in this process."""
+    if job.device != "auto":
+        return job.device
+    from harness.device import known
+
+    return known(job.device)
 
 
 def _note_phases(v: Verdict, stage: str, points: list[tuple[str, float]]) -> None:
@@ -201,6 +212,12 @@ class Sandbox:
         self._write({"job": self.job.to_json(), "plan": judge.plan, "caches": caches.for_stage(self.job),
                      "gpu_memory_fraction": self.job.rules.gpu_memory_fraction})
         judge.v.device["sandbox_start"] = self.how
+        if judge.device == "cuda" and self.job.stage != "compile":
+            # This process judges on the device: its CUDA context is made now, beside the
+            # sandbox's own, not on the way to the job (the compile stage judges nothing there).
+            import torch
+
+            torch.zeros((), device="cuda")
         # stdin stays open: the bench stage waits on it before timing each shape (`settle`)
         with io.BufferedReader(_Report(self.read_fd, self.deadline)) as stream:
             judge.read(stream, stop=lambda: kill(self.proc.pid), go=self._go,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,9 +23,11 @@ from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
 from engine_templates.hf_config import model_dims
 from engine_templates.models import PRESETS, ModelDims
-from engine_templates.ops.base import Op
 from targets.held_out import held_out_shapes
 from targets.model import ModelName, is_tiny
+
+if TYPE_CHECKING:  # the ops import torch, which a controller that only reads a target need not
+    from engine_templates.ops.base import Op
 
 # The GPU classes a pool file's host may have.
 GPUClassName = Literal["cpu", "h100", "h200", "b200", "a100", "l40s", "other"]
@@ -57,14 +59,15 @@ TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[4
 
 
 class HeldOut(BaseModel):
-    """Shapes no proposer sees (targets/held_out.py): every candidate is checked on them, and the
-    best of an optimization are timed on them, so that a kernel tuned to the shown shapes alone
-    shows as such."""
+    """Shapes no proposer sees (targets/held_out.py): every candidate is checked and timed on them
+    (its score is the shown shapes' alone), so that a kernel tuned to the shown shapes alone shows
+    as such."""
 
     model_config = ConfigDict(extra="forbid")
     per_list: NonNegativeInt = Field(1, description="odd sizes drawn from each workload list's range (decode "
                                                     "batches, prefill tokens, contexts); 0: none held out")
-    timed: NonNegativeInt = Field(3, description="best passed candidates of an optimization timed on them at its end")
+    timed: NonNegativeInt = Field(3, description="best passed candidates of an optimization printed with their "
+                                                 "held-out speed-up at its end")
     seed: int | None = Field(None, description="draw from this seed, the same shapes each run; default: "
                                                "drawn afresh for every run")
 

@@ -5,18 +5,20 @@ can be tuned to exactly those sizes and nothing else. Each run draws, from every
 workload (decode batches, prefill tokens, contexts), odd sizes in that list's range that the
 list does not hold (other batch sizes, odd row counts and context lengths), and builds the
 op's shapes from them under labels starting `held_out_`. The check stage checks every candidate
-on them beside the awkward sizes; an optimization times its best candidates on them at its end.
+on them beside the awkward sizes; the bench stage times them after the shown shapes.
 They reach tracking (for the person reading the results) and never a proposer's view: `withheld`
 is applied to every failure text that view carries.
 """
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op
+
+if TYPE_CHECKING:  # the ops import torch, which a controller that only reads a target need not
+    from engine_templates.ops.base import Op
 
 PREFIX = "held_out_"
 WITHHELD = "on a held-out shape (its size and the failure's detail are not shown to proposers)"

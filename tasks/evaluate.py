@@ -18,6 +18,7 @@ from gpu_pool.health import HostFault
 from gpu_pool.local import StageRun
 from gpu_pool.pool import Slot
 from targets import Target
+from targets.held_out import is_held_out
 from tasks.check import check_stage
 from tasks.compile import compile_stage
 from tasks.microbench import microbench_stage
@@ -34,6 +35,9 @@ class Outcome:
     # Passed, but counts only once a person approves it (Verdict.needs_approval): logged as
     # failing the `approval` gate until the flow records the decision (flows/approval.py).
     held: bool = False
+    # What its bench stage timed on the run's held-out shapes (a passed candidate's, logged on its
+    # run as `held_out_*`): kept apart from `verdict`, whose score is the target's shapes' alone.
+    held_out: Verdict | None = None
 
     @property
     def score(self) -> float | None:
@@ -50,21 +54,41 @@ def rules_on(target: Target, slot: Slot, logged: Rules | None = None) -> Rules:
 def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape] = (),
              rules: Rules | None = None) -> dict[str, Job]:
     """The three stages' jobs: the target's shapes timed; the op's awkward sizes and this run's
-    held-out shapes (targets/held_out.py) checked too; by the target's rules or `rules`."""
+    held-out shapes (targets/held_out.py) checked too, and the held-out ones timed after the
+    target's (their baselines measured with the others', once a flow: gpu_pool/baselines.py); by
+    the target's rules or `rules`."""
     op = get_op(candidate.op, target.dtype)
     w = target.workload
     shapes = op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
-    odd = [*op.odd_shapes(target.dims), *held_out]
+    odd = op.odd_shapes(target.dims)
     rules = rules or rules_on(target, slot)
     device = "cpu" if slot.gpu is None else "cuda"
-    return {s: Job(s, candidate, target.model, shapes, odd, rules, device) for s in STAGES}
+    jobs = {s: Job(s, candidate, target.model, shapes, [*odd, *held_out], rules, device) for s in STAGES}
+    jobs["bench"] = replace(jobs["bench"], shapes=[*shapes, *held_out], odd_shapes=odd)
+    return jobs
 
 
-def held_out_jobs(candidate: Candidate, target: Target, slot: Slot, held_out: Sequence[Shape]) -> dict[str, Job]:
-    """Compile and time a passed candidate on the held-out shapes alone: the check stage has
-    checked them already, and the bench stage judges what it times."""
-    jobs = jobs_for(candidate, target, slot)
-    return {s: replace(jobs[s], shapes=list(held_out), odd_shapes=[]) for s in ("compile", "bench")}
+def split_held_out(verdict: Verdict) -> Verdict | None:
+    """Take the held-out shapes' timings (and baselines) out of `verdict`, which then scores the
+    target's shapes alone; a verdict of those timings, None when it has none."""
+    held = [t for t in verdict.timings if is_held_out(t.label)]
+    if not held:
+        return None
+    verdict.timings = [t for t in verdict.timings if not is_held_out(t.label)]
+    out = copy.deepcopy(verdict)
+    out.timings = held
+    b = verdict.baselines
+    if b.get("shapes"):  # the record names and sizes them too: the flow's store keeps it whole
+
+        def shown(d: dict) -> dict:
+            return {k: v for k, v in d.items() if not is_held_out(k)}
+
+        verdict.baselines = {**b, "shapes": shown(b["shapes"])}
+        if isinstance(b.get("key"), dict) and isinstance(b["key"].get("shapes"), dict):
+            verdict.baselines["key"] = {**b["key"], "shapes": shown(b["key"]["shapes"])}
+        if is_held_out(str((b.get("drift") or {}).get("shape", ""))):
+            verdict.baselines.pop("drift")
+    return out
 
 
 def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Callable[..., StageRun],
@@ -75,7 +99,8 @@ def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Call
     verdict: Verdict | None = None
     jobs = dict(jobs or jobs_for(candidate, target, slot))
     if baselines is not None and "bench" in jobs:
-        jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]))
+        jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]),
+                                ceilings=baselines.ceilings_for(slot, jobs["bench"]))
     for stage, job in jobs.items():
         run = run_stage(stage, job, slot, target.budget.stage_limit(stage))
         if baselines is not None:
@@ -135,6 +160,7 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
 
     try:
         verdict = _judged(candidate, target, slots, charge, jobs, baselines)
+        timed_held_out = split_held_out(verdict)
     except BaseException as e:  # cancelled or interrupted: record it, then let it propagate
         verdict = Verdict(op=candidate.op, candidate_id=candidate.id)
         verdict.crash("interrupted", f"evaluation stopped by {type(e).__name__}: {e}")
@@ -143,25 +169,18 @@ def evaluate(candidate: Candidate, run_id: str, target: Target, slots: list[Slot
         raise
     held = verdict.needs_approval
     rules = used[-1] if used else None
+    if timed_held_out is None or verdict.status != PASS:
+        timed_held_out = None
     if not held:
         tracker.finish_candidate(run_id, candidate, verdict, charge, _template_source(candidate, target.dtype), rules=rules)
-        return Outcome(candidate, verdict, charge, run_id)
-    waiting = copy.deepcopy(verdict)
-    waiting.gate("approval", False, f"waiting for a person's approval ({', '.join(held)})")
-    tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate, target.dtype), {"approval": "waiting"},
-                             rules=rules)
-    return Outcome(candidate, verdict, charge, run_id, held=True)
-
-
-@task(name="time-held-out", cache_policy=NO_CACHE)
-def time_held_out(outcome: Outcome, target: Target, slots: list[Slot], tracker: Tracker,
-                  held_out: list[Shape], baselines: Baselines | None = None) -> Outcome:
-    """A passed candidate compiled and timed on the held-out shapes; the result goes on its own
-    run beside its searched score (Tracker.finish_held_out)."""
-    c, charge = outcome.candidate, Charge()
-    verdict = _judged(c, target, slots, charge, lambda slot: held_out_jobs(c, target, slot, held_out), baselines)
-    tracker.finish_held_out(outcome.run_id, verdict, charge)
-    return Outcome(c, verdict, charge, outcome.run_id)
+    else:
+        waiting = copy.deepcopy(verdict)
+        waiting.gate("approval", False, f"waiting for a person's approval ({', '.join(held)})")
+        tracker.finish_candidate(run_id, candidate, waiting, charge, _template_source(candidate, target.dtype),
+                                 {"approval": "waiting"}, rules=rules)
+    if timed_held_out is not None:  # its GPU time is the bench stage's, on the candidate's own charge
+        tracker.finish_held_out(run_id, timed_held_out, Charge())
+    return Outcome(candidate, verdict, charge, run_id, held=bool(held), held_out=timed_held_out)
 
 
 def _template_source(candidate: Candidate, dtype: str) -> str | None:

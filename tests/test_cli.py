@@ -118,6 +118,13 @@ def test_the_installed_command_refuses_bad_input_without_a_traceback():
     assert proc.returncode == 2 and "'nope' is neither a model preset" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_installed_command_ends_with_its_output_flushed_and_its_exit_code():
+    """The command ends without tearing its interpreter down (cli.main.exit_now): what it printed
+    into a pipe (block-buffered) still arrives, and its exit code is the command's."""
+    proc = subprocess.run([sys.executable, "-m", "cli", "ops"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "rmsnorm(x, weight, eps)" in proc.stdout and proc.stdout.endswith("\n")
+
+
 def test_a_tracking_store_from_another_mlflow_is_one_line_not_a_traceback(tmp_path):
     # What a GPU host's store looks like here when its wheels had a newer mlflow-skinny, and a
     # store from an older MLflow. `optimize` opens the store inside a Prefect flow, which would

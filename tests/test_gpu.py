@@ -155,3 +155,28 @@ def test_engine_profile_splits_a_decode_step_into_kernels(tmp_path):
     assert len(rows) == 2, done.stdout[-3000:]
     assert all(row.split("|")[2].strip() == "1" for row in rows), rows
     assert " others |" not in done.stdout  # nothing folded away
+
+
+def test_a_warm_stage_knows_its_gpu_and_ceilings_without_waiting_on_cuda():
+    """The fork server learned the GPU (harness/device.py), so a forked stage hands its sandbox
+    the job before this process touches CUDA: the sandbox is ready in well under the seconds a
+    CUDA context takes. The second bench on the slot carries the first one's ceilings."""
+    from gpu_pool.baselines import Baselines
+    from gpu_pool.local import LocalExecutor
+    from gpu_pool.pool import local_pool
+    from harness import device
+    from tasks.evaluate import run_stages
+    from tracking.ledger import Charge
+
+    slot, executor, store = local_pool().slots()[0], LocalExecutor(), Baselines()
+    runs = [run_stages(free("honest_torch"), TARGET, slot, lambda stage, job, s, t: executor.run(job, s, t), Charge(),
+                       baselines=store) for _ in range(2)]
+    for v in runs:
+        assert v.status == "pass" and v.device["sandbox_start"] == "a fork of the supervisor", v.to_json()
+        facts = device.gpu_facts()
+        assert v.device["uuid"] and all(v.device[k] == facts[k] for k in ("name", "uuid", "l2_bytes", "sm_count"))
+        # the first bench on the slot measures the ceilings before it can plan: the only wait left
+        waits = ("compile", "check", "bench") if v is runs[1] else ("compile", "check")
+        assert all(v.phases[f"{s}/sandbox_start"] < 1.0 for s in waits), v.phases
+    assert [v.device["ceilings"]["source"] for v in runs] == ["measured", "carried"]
+    assert runs[1].device["ceilings"]["copy_bytes_per_s"] == runs[0].device["ceilings"]["copy_bytes_per_s"]

@@ -1,5 +1,6 @@
-"""Held-out shapes: drawn from the target's range, checked on every candidate, timed on the best
-of an optimization, shown beside the searched score, and never in what a proposer sees."""
+"""Held-out shapes: drawn from the target's range, checked on every candidate, timed in every
+passing candidate's bench stage after the target's shapes, shown beside the searched score, and
+never in what a proposer sees."""
 from __future__ import annotations
 
 import json
@@ -143,6 +144,17 @@ def test_the_best_are_timed_on_held_out_shapes_and_the_leaderboard_shows_both(pr
     # per-shape metrics stay the shown shapes': the held-out ones are in an artifact of their own
     assert not any(k.startswith(PREFIX) and "/" in k for k in best.data.metrics)
     assert "held_out" in {f.path for f in tracker.client.list_artifacts(best.info.run_id)}
+    # timed inside the candidate's own bench stage, after the target's shapes: no stage of its own
+    # at the flow's end, and the candidate's verdict scores the target's shapes alone
+    held_v = json.loads(Path(tracker.client.download_artifacts(best.info.run_id, "held_out/verdict.json",
+                                                                str(tmp_path / "h"))).read_text())
+    own_v = json.loads(Path(tracker.client.download_artifacts(best.info.run_id, "verdict.json",
+                                                               str(tmp_path / "o"))).read_text())
+    assert held_v["stages"] == own_v["stages"] == ["compile", "check", "bench"]
+    assert [t["label"] for t in held_v["timings"]] == [s["label"] for s in held]
+    assert own_v["timings"] and not any(t["label"].startswith(PREFIX) for t in own_v["timings"])
+    assert PREFIX not in json.dumps(own_v["baselines"])
+    assert best.data.metrics["held_out_gpu_seconds"] == 0  # the bench's time, on the candidate's own charge
 
     entries = board(tracker, "silu_mul", "tiny", target=target.key()).entries
     assert any(e.held_out == pytest.approx(best.data.metrics["held_out_score"]) for e in entries)

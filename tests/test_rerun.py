@@ -81,7 +81,7 @@ def test_what_an_optimization_cost_adds_up_from_its_seconds_and_the_pools_price(
         assert m["gpu_hours"] == pytest.approx(m["gpu_seconds"] / 3600)
         assert m["cost_usd"] == pytest.approx(m["gpu_seconds"] * PRICE / 3600)
         assert m["proposer_tokens"] == 0 and m["total_usd"] == pytest.approx(m["cost_usd"] + m["proposer_usd"])
-    # with the best candidates' timing on the held-out shapes at the optimization's end
+    # the held-out shapes timed in the candidates' bench stages: on their own seconds, none apart
     for name, held_out in (("gpu_seconds", "held_out_gpu_seconds"), ("cost_usd", "held_out_cost_usd"),
                            ("total_usd", "held_out_cost_usd")):
         assert parent[name] == pytest.approx(sum(r.data.metrics[name] + r.data.metrics.get(held_out, 0.0)

@@ -176,6 +176,54 @@ def test_baselines_are_measured_once_per_slot_and_reused_only_where_measured_ali
         assert again.baselines["source"] == "timed" and field in again.baselines["why"], again.baselines
 
 
+def test_the_ceilings_are_measured_once_per_slot_and_carried_only_to_the_device_they_name():
+    """The first bench on a slot measures the device's ceilings; the store keeps them, and the next
+    bench job on the slot carries them, used as they are (no second measurement). A record that
+    names another device, host or version is measured again."""
+    executor, store = LocalExecutor(), Baselines()
+
+    def bench(record: dict | None = None) -> Verdict:
+        job = jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["bench"]
+        job = replace(job, ceilings=record if record is not None else store.ceilings_for(CPU_SLOT, job))
+        verdict = executor.run(job, CPU_SLOT, 120).verdict
+        store.keep(CPU_SLOT, job, verdict)
+        assert verdict.status == "pass", verdict.to_json()
+        return verdict
+
+    first = bench()
+    measured = first.device["ceilings"]
+    assert measured["source"] == "measured" and measured["key"]["name"] == "cpu"
+    assert bench().device["ceilings"]["source"] == "carried"
+    # carried as they are: figures no measurement would give are the verdict's when the key is this device's
+    record = store.ceilings_for(CPU_SLOT, jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["bench"])
+    mine = bench(record | {"copy_bytes_per_s": 1.5e3, "matmul_flops_per_s": 2.5e3})
+    assert (mine.device["ceilings"]["copy_bytes_per_s"], mine.device["ceilings"]["source"]) == (1.5e3, "carried")
+    for field, value in (("name", "another device"), ("host", "another host"), ("torch", "0.0"), ("dtype", "fp8")):
+        forged = record | {"copy_bytes_per_s": 1.5e3, "key": record["key"] | {field: value}}
+        again = bench(forged).device["ceilings"]
+        assert again["source"] == "measured" and again["copy_bytes_per_s"] != 1.5e3, (field, again)
+
+
+def test_a_gpu_slots_fork_server_still_serves_where_it_cannot_learn_the_gpu(tmp_path):
+    """On a GPU slot the fork server asks a child of its own what the GPU is, and hashes Triton's
+    and Inductor's files, before it serves; neither leaves it unable to fork a clean stage. Where
+    there is no GPU to learn (this host), it serves all the same: its stages ask CUDA themselves."""
+    executor = LocalExecutor()
+    server = warm.ForkServer(executor.python, executor.worker_root,
+                             executor.env(CPU_SLOT) | {"CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        job = jobs_for(Candidate("rmsnorm", "free", source=HONEST), TARGET, CPU_SLOT)["compile"]
+        (tmp_path / "job.json").write_text(job.limited(120).to_json())
+        with open(tmp_path / "stdout.log", "wb") as so, open(tmp_path / "stderr.log", "wb") as se:
+            stage = server.start(["job.json", "--out", str(tmp_path / "verdict.json")], tmp_path, so, se)
+            assert stage is not None, server.why
+            assert stage.wait(120) == 0, (tmp_path / "stderr.log").read_text()
+        verdict = Verdict.from_json((tmp_path / "verdict.json").read_text())
+        assert verdict.status == "pass" and verdict.device["sandbox_start"] == "a fork of the supervisor"
+    finally:
+        server.close()
+
+
 def _frame(kind: str, **fields) -> bytes:
     import json
 

@@ -8,7 +8,7 @@ relative error), the GPU's measured ceilings and the ledger (GPU-seconds, cost, 
 tokens and dollars) as metrics; status, op, target, model, proposer, GPU, failing gate and its
 detail, screening flags as tags; the candidate's source, its verdict and (from an LLM) the
 prompt and reply as artifacts.
-A passed child timed on the held-out shapes at the end of its optimization gets `held_out_*`
+A passed child, whose bench stage timed the held-out shapes too, gets `held_out_*`
 summary metrics, tags `held_out` and `held_out_gate`, and `held_out/verdict.json`.
 A child is created `pending` when proposed, so parallel proposers see it in flight; a
 pending child whose parent's controller is gone is an orphan, re-queued by the next flow.

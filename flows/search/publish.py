@@ -1,14 +1,12 @@
-"""After the loop: the op search's best candidates timed on the held-out shapes, then what every
+"""After the loop: what the op search's best candidates did on the held-out shapes, then what every
 search leaves behind — the leaderboard and summary artifacts, the parent run's totals, the
 knowledge drafts and the results archive."""
 from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from contract.verdict import PASS
 from flows.search.loop import Stopped
 from flows.search.op import OpSession
-from tasks.evaluate import Outcome, time_held_out
 from tracking.charts import log_optimization_charts
 from tracking.cost import per_gain_text
 from tracking.history import board
@@ -16,23 +14,15 @@ from tracking.knowledge.derive import write_drafts
 from tracking.mlflow_ui import compare_best
 
 
-def time_on_held_out(s: OpSession) -> list[Outcome]:
-    """The best `target.held_out.timed` passed candidates of this run, timed on its held-out
-    shapes, all at once as the pool allows; each result is printed beside the searched score,
-    and its GPU time counted."""
+def time_on_held_out(s: OpSession) -> None:
+    """The best `target.held_out.timed` passed candidates of this run, each printed with what its
+    bench stage timed on the held-out shapes (tasks/evaluate.py) beside its searched score."""
     held_out = s.held_out
     best = sorted(s.passed, key=lambda o: -o.verdict.score())[:s.target.held_out.timed] if held_out else []
-    futures = [time_held_out.submit(o, s.target, s.slots, s.tracker, held_out, baselines=s.baselines) for o in best]
-    timed = [f.result() for f in futures]
-    for searched, o in zip(best, timed):
-        v = o.verdict
-        gate = v.failing_gate
-        got = (f"{v.score():.3g}x" if v.status == PASS else
-               f"{v.status} [{gate.name if gate else '?'}] {gate.detail if gate else ''}")
+    for o in best:
+        got = f"{o.held_out.score():.3g}x" if o.held_out and o.held_out.score() else "not timed"
         print(f"held-out shapes ({', '.join(sh.label for sh in held_out)}): {o.candidate.label}: "
-              f"searched {searched.verdict.score():.3g}x, held-out {got}")
-        s.progress.spent(o.charge)
-    return timed
+              f"searched {o.verdict.score():.3g}x, held-out {got}")
 
 
 def publish_op(s: OpSession, stopped: Stopped) -> dict:
