@@ -194,7 +194,7 @@ def test_broken_fp8_checkpoints_are_one_line_errors(fp8_dirs, tmp_path):
                         "--prompt", "hi", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
                        env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"infersmith: {other}/config.json: quantization_config: quant_method 'gptq' is not supported (fp8 only)"]
+        f'infersmith: {other}/config.json: quantization_config.quant_method "gptq" is not supported (supported: fp8)']
 
 
 def test_an_fp8_weight_stored_where_the_model_keeps_bf16_is_dequantized(fp8_dirs, tmp_path):

@@ -73,10 +73,11 @@ def test_reference_fallbacks_are_counted_not_ranked(tmp_path, monkeypatch, capsy
 
     assert main(["leaderboard", "--op", "rmsnorm"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 4 and "rows[" in out[1] and "free:" not in "".join(out)
+    assert len(out) == 5 and "rows[" in out[1] and "free:" not in "".join(out)
     assert out[2] == ("1 passed candidate flagged reference_fallback left out (PyTorch's own rmsnorm inside: "
                       "the speed is torch's)")
-    assert out[3].startswith(f"spent on {BF16} (h200): 2 candidates, ")  # the fallback cost time too
+    assert out[3].startswith("compare the best 1 side by side in MLflow: ") and real in out[3]  # the ranked one only
+    assert out[4].startswith(f"spent on {BF16} (h200): 2 candidates, ")  # the fallback cost time too
 
 
 def test_kernel_choices_take_the_models_dtype_and_gpu_class_each_kernel_once(tmp_path, monkeypatch):
