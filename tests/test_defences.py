@@ -283,6 +283,26 @@ def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned()
                         timed.misfit), timed.misfit
 
 
+def test_a_wall_clock_run_refills_one_set_between_two_calls_and_puts_it_back():
+    """One call drawn past the first runs on the new values (its outputs kept for the judge), every
+    other on its set's own, and the sets hold their own values again after the run."""
+    from harness.timing import Method, median_us
+
+    sets = [(torch.randn(4, 64),) for _ in range(2)]
+    own, fresh, seen = [s[0].clone() for s in sets], (torch.randn(4, 64),), []
+
+    def doubles(x):
+        seen.append(x.clone())
+        return x * 2
+
+    timed = median_us(doubles, sets, Method("cpu", warmup_ms=0, rep_ms=5), fresh)
+    n_timed, r = len(seen) - 2, timed.refilled
+    assert 1 <= r < n_timed and torch.equal(timed.outputs[r][0], fresh[0] * 2)
+    for c in range(n_timed):
+        assert torch.equal(seen[2 + c], fresh[0] if c == r else own[c % 2]), c
+    assert all(torch.equal(s[0], o) for s, o in zip(sets, own))
+
+
 # Frames a candidate can write, and the words of the one rule that stops each (stage, frames
 # after what the sandbox sent, words). Without the rule, each would be believed, stop the judge
 # with a traceback, or be stopped later for another reason.
