@@ -71,7 +71,8 @@ def refill_point(n: int) -> int:
 
 class Refill:
     """New values for one input set, put in place between two timed calls (after the one's timer
-    stopped, before the other's started) and taken out again after the next call: same storage,
+    stopped, before the other's started) and taken out again after the refilled call (a graph's:
+    after the last replay): same storage,
     pointers and shapes, so a result cached on any of them while timed goes stale there, however
     the candidate tells timed calls from probed ones (docs/gates.md, caching while timed).
     `fresh`: per argument of `args`, its new values, or None for one left as it is (persistent,
