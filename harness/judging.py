@@ -176,16 +176,19 @@ class Judge:
                 call = self.plan["calls"][item_index(parts[1])]
                 args, gate = self._args(call["shape"], call["seed"], call["dist"]), "accuracy"
                 where = f"{call['shape']} ({call['dist']} inputs, seed {call['seed']})"
-            elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", *TIMED_RUNS):
+            elif parts[0] == "bench" and len(parts) == 4 and parts[2] in ("timed", "refill", *TIMED_RUNS, *REFILLED):
                 spec, phase, n = self.plan["shapes"][item_index(parts[1])], parts[2], item_index(parts[3])
-                j = n % len(spec["sets"]) if phase in TIMED_RUNS else n  # call n of a timed run used set n % sets
+                timed = phase in TIMED_RUNS or phase in REFILLED
+                j = n % len(spec["sets"]) if timed else n  # call n of a timed run used set n % sets
                 args = self._args(spec["shape"], spec["sets"][j])
-                if phase == "refill":
-                    fresh = self._args(spec["shape"], spec["refill"][j])
+                if phase == "refill" or phase in REFILLED:  # refilled after the timings, or inside one
+                    seed = spec["refill"][j] if phase == "refill" else spec["timed_refill"]["repeat" in phase]
+                    fresh = self._args(spec["shape"], seed)
                     args = tuple(a if self.op.oracle.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
-                gate = "caching" if phase == "refill" else "timed_outputs"  # timed, and every timed run's
-                where = (f"{spec['shape']} (call {n} of the {phase} timing, input set {j})" if phase in TIMED_RUNS
+                gate = "caching" if phase == "refill" or phase in REFILLED else "timed_outputs"
+                where = (f"{spec['shape']} (call {n} of the {phase.removesuffix('-refilled')} timing, input set {j}"
+                         f"{', refilled between two timed calls' if phase in REFILLED else ''})" if timed
                          else f"{spec['shape']} ({phase} input set {j})")
             else:
                 raise ValueError(item)
@@ -196,7 +199,7 @@ class Judge:
             self.v.gate("protocol", False, f"outputs for {item!r} a second time")
             return
         self.items.add(item)
-        run = parts[0] == "bench" and parts[2] in TIMED_RUNS  # what a timed call returned
+        run = parts[0] == "bench" and (parts[2] in TIMED_RUNS or parts[2] in REFILLED)  # what a timed call returned
         rtol = self.job.rules.rtol
         result = judge(self.op.oracle, outs, args, self.job.rules.approval_rtol or rtol)
         if result.ok and result.rel_error > rtol and BEYOND_TOLERANCE not in self.v.flags:
@@ -215,6 +218,8 @@ class Judge:
         if gate == "caching":
             detail += (" — after its inputs were refilled in place with new values (same storage, pointers and "
                        "shapes) the result is stale: cached on pointer, shape or something else than the values")
+            if run:
+                detail += ", and the cache used while timed"
         elif run and phase.startswith("graph"):
             detail += (" — what the CUDA graph that was timed computed: the candidate does less (or other work) "
                        "while captured than when called")
@@ -270,6 +275,11 @@ class Judge:
                 v.gate("protocol", False, f"{self.judged - self.graph_judged} of {probes} probe outputs and "
                                           f"{self.graph_judged} of {graph_outputs} timed-call outputs reported")
                 return
+            refilled = sum(i.split("/")[0] in REFILLED for items in self.judged_by_shape.values() for i in items)
+            if refilled != 2 * len(expected):
+                v.gate("protocol", False, f"{refilled} outputs of calls on inputs refilled while timed reported; "
+                                          f"each of the {len(expected)} shapes' two timings has one")
+                return
             speed_of_light(self.job, v)
 
     def _ended_early(self, detail: str) -> str:
@@ -288,7 +298,7 @@ class Judge:
 
             def all_judged(label: str) -> bool:
                 items = self.judged_by_shape.get(label, set())
-                graphs = [i for i in items if i.split("/")[0] in TIMED_RUNS]
+                graphs = [i for i in items if i.split("/")[0] in TIMED_RUNS or i.split("/")[0] in REFILLED]
                 return probe_items(plan[label]) <= items and len(graphs) == self.graph_outputs.get(label, 0)
 
             judged = [t for t in self.v.timings if all_judged(t.label)]
@@ -309,6 +319,8 @@ HARNESS_GATES = {"time_limit", "harness", "process"}  # written by the superviso
 # The bench stage's timed runs whose calls' outputs are judged: the candidate's first timing and
 # its repeat, by each method (harness/timing.py).
 TIMED_RUNS = tuple(f"{how}{repeat}" for how in ("graph", "events", "wall") for repeat in ("", "-repeat"))
+# Their calls that ran on an input set refilled in place inside the run, judged for `caching`.
+REFILLED = tuple(f"{run}-refilled" for run in TIMED_RUNS)
 
 
 def speed_of_light(job: Job, v: Verdict) -> None:

@@ -59,6 +59,7 @@ def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -
         roofline[shape.label] = (roof, nbytes, flops)
         n = timing.rotation_count(nbytes, l2) if device == "cuda" else 2
         items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
+                      "timed_refill": fresh_seeds(2),  # one set refilled inside each candidate timing
                       "graph": timing.by_graph(device, roof, job.rules.launch_bound_us)})
     key = baselines.key(job, info, items, sources)
     section = baselines.plan(job, key)

@@ -1,7 +1,8 @@
 """Which of a timed run's calls the judge checks, and how their outputs are kept for it
 (docs/gates.md, timed = judged): the first, the last and GRAPH_CHECKS others drawn from the
 operating system's entropy; a graph's as its last replay left them, an events or wall-clock
-run's copied as each call returned, outside its timing.
+run's copied as each call returned, outside its timing. And one input set refilled in place
+with new values between two timed calls drawn the same way (`Refill`), the call after it kept.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 # choose which calls are judged nor what is copied for the judge.
 len, sorted, zip, range, enumerate, min, max, int, isinstance, tuple, type, all, sum, list = (  # noqa: A001
     len, sorted, zip, range, enumerate, min, max, int, isinstance, tuple, type, all, sum, list)
-_copy, _empty_like = torch.Tensor.copy_, torch.empty_like
+_copy, _empty_like, _clone = torch.Tensor.copy_, torch.empty_like, torch.Tensor.clone
 
 # Of a timed run's calls, the judge checks the first, the last and this many others drawn at
 # random: for a graph once it has run, for events and the wall clock before the run starts (their
@@ -62,19 +63,63 @@ def reused_storage(every: list[tuple]) -> str:
     return ""
 
 
+def refill_point(n: int) -> int:
+    """Which of `n` (at least 2) timed calls or replays runs first on refilled inputs: one after
+    the first, drawn from the operating system's entropy."""
+    return 1 + _below(n - 1)
+
+
+class Refill:
+    """New values for one input set, put in place between two timed calls (after the one's timer
+    stopped, before the other's started) and taken out again after the refilled call (a graph's:
+    after the last replay): same storage,
+    pointers and shapes, so a result cached on any of them while timed goes stale there, however
+    the candidate tells timed calls from probed ones (docs/gates.md, caching while timed).
+    `fresh`: per argument of `args`, its new values, or None for one left as it is (persistent,
+    or not a tensor). The set's own values are copied before the run, to put back."""
+
+    def __init__(self, fresh: tuple, args: tuple):
+        self.pairs = [(a, f, _clone(a)) for a, f in zip(args, fresh) if f is not None]
+
+    def put(self) -> None:
+        for a, f, _ in self.pairs:
+            _copy(a, f)
+
+    def take_out(self) -> None:
+        for a, _, saved in self.pairs:
+            _copy(a, saved)
+
+
 class Kept:
     """What the drawn calls of an events or wall-clock run returned (`checked_sets`: the first,
     the last, and up to GRAPH_CHECKS others, drawn before the run from the operating system's
     entropy), copied as each returns — after its timer stopped — into buffers allocated before
     the run from a warm-up call's outputs: every call of the run allocates, frees and is timed
-    alike, kept or not. `misfit` names a drawn call whose outputs do not fit those buffers."""
+    alike, kept or not. `misfit` names a drawn call whose outputs do not fit those buffers.
+    With `fresh` (`Refill`), the inputs of call `refilled` (drawn, `refill_point`) are refilled in
+    place before it and put back after it, and its outputs are kept too."""
 
-    def __init__(self, model, calls: int):
+    def __init__(self, model, calls: int, arg_sets=(), fresh: tuple | None = None):
         model = tensors(model, "timed")
         self.calls, self.misfit, self.model, self.us = calls, "", ", ".join(form(t) for t in model), 0.0
         size = max(1, sum(t.numel() * t.element_size() for t in model))
-        self.buffers = {c: tuple(_empty_like(t) for t in model)
-                        for c in checked_sets(calls, max(0, min(GRAPH_CHECKS, KEEP_BYTES // size - 2)))}
+        drawn = checked_sets(calls, max(0, min(GRAPH_CHECKS, KEEP_BYTES // size - 2)))
+        self.refilled, self.refill = -1, None
+        if fresh is not None:
+            self.refilled = refill_point(calls)
+            self.refill = Refill(fresh, arg_sets[self.refilled % len(arg_sets)])
+        self.buffers = {c: tuple(_empty_like(t) for t in model) for c in sorted({*drawn, self.refilled} - {-1})}
+
+    def before(self, c: int) -> None:
+        """Before call `c`'s timer starts."""
+        if c == self.refilled:
+            self.refill.put()
+
+    def after(self, c: int, returned) -> None:
+        """After call `c`'s timer stopped: its outputs kept if drawn, its inputs put back if refilled."""
+        self.take(c, returned)
+        if c == self.refilled:
+            self.refill.take_out()
 
     def take(self, c: int, returned) -> None:
         into = self.buffers.get(c)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from harness.timed_outputs import GRAPH_CHECKS, Kept, checked_sets, reused_storage, tensors  # noqa: F401
+from harness.timed_outputs import GRAPH_CHECKS, Kept, Refill, checked_sets, refill_point, reused_storage, tensors  # noqa: F401,E501
 
 # Every timer and reduction a measurement goes through is bound here, at import, before any
 # candidate exists (docs/gates.md, timer patching): a candidate that swaps one on its
@@ -107,6 +107,9 @@ class Timed:
     # events or wall clock: a drawn call returned outputs of another form than its warm-up did
     # (named), so they cannot be checked: the stage fails `timed_outputs`
     misfit: str = ""
+    # with `fresh` inputs: the key of `outputs` computed on them (-1: none) — the call (events,
+    # wall clock) or the input set (graph) that ran on inputs refilled in place inside the run
+    refilled: int = -1
 
 
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
@@ -126,34 +129,36 @@ def turn_graphs_off(why: str) -> None:
     _graphs_off = _graphs_off or why
 
 
-def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method) -> Timed:
+def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method,
+              fresh: tuple | None = None) -> Timed:
     """The median time per call. A function that cannot be captured in a CUDA graph (host syncs,
     graphs of its own) is timed with events instead — honest code is not rejected for that, and
     launch gaps then count against it — and `fallback` says why; so is every later graph timing
-    of the process, whoever it times."""
+    of the process, whoever it times. `fresh` (the candidate's timings): new values for the
+    arguments it does not leave None, put in place of one input set's inside the run (`Refill`)."""
     global _graphs_off
     if method.device != "cuda":
-        return _timed(_cpu_median_us(fn, arg_sets, method), "wall")
+        return _timed(_cpu_median_us(fn, arg_sets, method, fresh), "wall")
     if not method.graph:
-        return _timed(_events_median_us(fn, arg_sets, method), "events")
+        return _timed(_events_median_us(fn, arg_sets, method, fresh), "events")
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
         try:
-            us, outputs, reused = _graph_median_us(fn, arg_sets, method)
-            return Timed(us, "graph", outputs=outputs, reused=reused)
+            us, outputs, reused, refilled = _graph_median_us(fn, arg_sets, method, fresh)
+            return Timed(us, "graph", outputs=outputs, reused=reused, refilled=refilled)
         except Exception as e:  # not capturable; if it fails outside a graph too, that error goes on
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return _timed(_events_median_us(fn, arg_sets, method), "events", fallback=why)
+    return _timed(_events_median_us(fn, arg_sets, method, fresh), "events", fallback=why)
 
 
 def _timed(kept: Kept, how: str, fallback: str = "") -> Timed:
-    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit)
+    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit, refilled=kept.refilled)
 
 
-def _cpu_median_us(fn, arg_sets, method: Method) -> Kept:
+def _cpu_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -> Kept:
     """The wall clock's median over a number of calls fixed before the first is timed (so the
     last call is known when it runs, and its outputs are copied as the others' are)."""
     n_sets = len(arg_sets)
@@ -161,15 +166,16 @@ def _cpu_median_us(fn, arg_sets, method: Method) -> Kept:
     t = perf_counter()
     fn(*arg_sets[1 % n_sets])
     est = max(perf_counter() - t, 1e-9)
-    kept = Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))))
+    kept = Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))), arg_sets, fresh)
     del first
     times = []
     for c in range(kept.calls):
         args = arg_sets[c % n_sets]
+        kept.before(c)  # a refill, before the timer starts
         t = perf_counter()
         out = fn(*args)
         times.append(perf_counter() - t)
-        kept.take(c, out)
+        kept.after(c, out)
         del out  # freed as every call's is: the next call's allocations see what an unkept one leaves
     kept.us = median(times) * 1e6
     return kept
@@ -211,7 +217,7 @@ def _estimate_ms(run_once: Callable[[], None]) -> float:
     return max(_elapsed(start, end) / 5, 1e-4)
 
 
-def _events_median_us(fn, arg_sets, method: Method) -> Kept:
+def _events_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -> Kept:
     n_sets = len(arg_sets)
     counter = iter(range(1 << 62))
 
@@ -221,29 +227,33 @@ def _events_median_us(fn, arg_sets, method: Method) -> Kept:
     est = _estimate_ms(run_once)
     for _ in range(max(1, int(method.warmup_ms / est))):
         run_once()
-    kept = Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))))
+    kept = Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))), arg_sets, fresh)
     starts, ends, stream = _events(kept.calls), _events(kept.calls), _current_stream()
     _synchronize()
     for c, (s, e) in enumerate(zip(starts, ends)):
         args = arg_sets[c % n_sets]
+        kept.before(c)  # a refill, queued before the start event
         _record(s, stream)
         out = fn(*args)
         _record(e, stream)
-        kept.take(c, out)  # a copy queued after the end event: on the device, between two timings
+        kept.after(c, out)  # copies queued after the end event: on the device, between two timings
         del out
     _synchronize()
     kept.us = _median_elapsed_ms(starts, ends) * 1e3
     return kept
 
 
-def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
+def _graph_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -> tuple[float, dict, str, int]:
     """Capture one call per input set in a graph; the time per call is a replay over the sets.
     Also returns copies of what some captured calls returned, as the last replay left them (NaN
     before it: an output the graph never writes reads as NaN) — the work that was timed, for the
     judge: the first set's, the last's, and up to GRAPH_CHECKS others drawn after the last replay
     (`checked_sets`), so that a function doing less while captured, on however few of the sets,
     cannot know which of them will be looked at. And `reused`: which captured calls returned
-    storage a later one returned too (then nothing is kept: their values cannot be checked)."""
+    storage a later one returned too (then nothing is kept: their values cannot be checked). With
+    `fresh`, one input set drawn after capture is refilled in place between two timed replays (one
+    drawn too) and kept refilled to the last: a captured call reads its inputs when replayed, so
+    its outputs must follow them (`refilled`: that set; its values are put back afterwards)."""
     side = torch.cuda.Stream()
     side.wait_stream(_current_stream())
     with torch.cuda.stream(side):  # warm on a side stream, as capture requires
@@ -268,18 +278,24 @@ def _graph_median_us(fn, arg_sets, method: Method) -> tuple[float, dict, str]:
     for _ in range(max(1, int(method.warmup_ms / est))):
         _replay(graph)
     reps = max(10, min(500, int(method.rep_ms / est)))
+    refilled = -1 if fresh is None or reused else refill_point(len(arg_sets) + 1) - 1
+    refill, at = (Refill(fresh, arg_sets[refilled]), refill_point(reps)) if refilled >= 0 else (None, -1)
     starts, ends, stream = _events(reps), _events(reps), _current_stream()
     _synchronize()
-    for s, e in zip(starts, ends):
+    for r, (s, e) in enumerate(zip(starts, ends)):
+        if r == at:
+            refill.put()  # queued before the start event
         _record(s, stream)
         _replay(graph)
         _record(e, stream)
     _synchronize()
     per_replay_ms = _median_elapsed_ms(starts, ends)
-    picked = [] if reused else checked_sets(len(every))  # drawn now that the candidate has run
+    picked = [] if reused else sorted({*checked_sets(len(every)), refilled} - {-1})  # drawn now that it has run
     outputs = {j: tuple(t.clone() for t in every[j]) for j in picked}
+    if refill is not None:
+        refill.take_out()
     del graph, returned, every
-    return per_replay_ms * 1e3 / len(arg_sets), outputs, reused
+    return per_replay_ms * 1e3 / len(arg_sets), outputs, reused, refilled
 
 
 def _end_failed_capture(graph, capture, before) -> None:

@@ -134,6 +134,58 @@ def _bench_report(judge, timing: dict) -> bytes:
     return baselines + _frame("loading") + _frame("timing", **timing) + probes + _frame("done")
 
 
+def _refilled_report(judge, refilled: str) -> bytes:
+    """A complete bench report of wall-clock timings whose two refilled calls (call 3 of each) return
+    the op on the refilled inputs (`refilled="new"`), on the set's own values ("stale"), or are not
+    reported ("none")."""
+    from engine_templates.ops import get_op
+    from engine_templates.ops.base import generator
+
+    op = get_op("rmsnorm")
+    report = b"".join(_frame("baseline", label=i["shape"], eager_us=50.0, eager_how="wall", eager_fallback="",
+                             compile_us=None, compile_how="", compile_fallback="", graphs_off="")
+                      for i in judge.plan["shapes"]) + _frame("loading")
+
+    def args(shape, set_seed, new_seed=None):
+        own = op.inputs(shape, torch.float32, "cpu", generator("cpu", set_seed), "normal")
+        if new_seed is None:
+            return own
+        new = op.inputs(shape, torch.float32, "cpu", generator("cpu", new_seed), "normal")
+        return tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else new[i] for i, a in enumerate(own))
+
+    for k, spec in enumerate(judge.plan["shapes"]):
+        shape, last = judge.shapes[spec["shape"]], len(spec["sets"]) - 1
+        report += _frame("timing", label=spec["shape"], dims={}, candidate_us=1.0, candidate_us_repeat=1.0,
+                         method="wall", sets=len(spec["sets"]), graph_outputs=0 if refilled == "none" else 2)
+        for run, seed in zip(("wall", "wall-repeat"), spec["timed_refill"]):
+            if refilled != "none":
+                on = args(shape, spec["sets"][3 % len(spec["sets"])], seed if refilled == "new" else None)
+                report += _frame("outputs", [op.eager(*on)], item=f"bench/{k}/{run}-refilled/3")
+        for phase in ("timed", "refill"):
+            for j in (0, last):
+                on = args(shape, spec["sets"][j], spec["refill"][j] if phase == "refill" else None)
+                report += _frame("outputs", [op.eager(*on)], item=f"bench/{k}/{phase}/{j}")
+    return report + _frame("done")
+
+
+def test_a_call_on_inputs_refilled_while_timed_is_judged_on_the_new_values_and_must_be_reported():
+    """Each timing's call after the in-run refill: right on the new values passes; the result for
+    the set's own values fails `caching`, naming the refill; a report without it is protocol."""
+    judge, v = _judge("bench")
+    _read(judge, _refilled_report(judge, "new"))
+    assert v.status == "pass", v.to_json()
+    judge, v = _judge("bench")
+    _read(judge, _refilled_report(judge, "stale"))
+    assert (v.status, v.failing_gate.name) == ("fail", "caching"), v.to_json()
+    assert "(call 3 of the wall timing, input set 1, refilled between two timed calls)" in v.failing_gate.detail
+    judge, v = _judge("bench")
+    _read(judge, _refilled_report(judge, "none"))
+    assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
+    n = len(judge.plan["shapes"])
+    assert v.failing_gate.detail == (f"0 outputs of calls on inputs refilled while timed reported; each of the {n} "
+                                     "shapes' two timings has one")
+
+
 def test_a_harness_gate_named_by_the_candidate_is_protocol_without_a_crash_flag():
     """`time_limit`, `process` and `harness` are the supervisor's: a frame naming one, even as a
     plain failed gate, would make the candidate's verdict read as the platform's."""
@@ -281,6 +333,26 @@ def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned()
     assert not timed.outputs
     assert re.fullmatch(r"call 0 of \d+ returned float64 \(4, 64\) where its warm-up returned float32 \(4, 64\)",
                         timed.misfit), timed.misfit
+
+
+def test_a_wall_clock_run_refills_one_set_between_two_calls_and_puts_it_back():
+    """One call drawn past the first runs on the new values (its outputs kept for the judge), every
+    other on its set's own, and the sets hold their own values again after the run."""
+    from harness.timing import Method, median_us
+
+    sets = [(torch.randn(4, 64),) for _ in range(2)]
+    own, fresh, seen = [s[0].clone() for s in sets], (torch.randn(4, 64),), []
+
+    def doubles(x):
+        seen.append(x.clone())
+        return x * 2
+
+    timed = median_us(doubles, sets, Method("cpu", warmup_ms=0, rep_ms=5), fresh)
+    n_timed, r = len(seen) - 2, timed.refilled
+    assert 1 <= r < n_timed and torch.equal(timed.outputs[r][0], fresh[0] * 2)
+    for c in range(n_timed):
+        assert torch.equal(seen[2 + c], fresh[0] if c == r else own[c % 2]), c
+    assert all(torch.equal(s[0], o) for s, o in zip(sets, own))
 
 
 # Frames a candidate can write, and the words of the one rule that stops each (stage, frames
