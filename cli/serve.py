@@ -51,7 +51,7 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau
     return target.model_copy(update={"serving": checked})
 
 
-SERVER_PLACEHOLDERS = ("port", "model_dir", "name", "replica")
+SERVER_PLACEHOLDERS = ("port", "model_dir", "name", "replica", "python", "max_model_len")
 
 
 def _check_command(command: str, what: str) -> None:
@@ -59,7 +59,8 @@ def _check_command(command: str, what: str) -> None:
     command_argv): a mistake there is a usage error now, not a crash after the reference ran."""
     known = ", ".join(f"{{{p}}}" for p in SERVER_PLACEHOLDERS)
     try:
-        filled = command.format(port=8000, model_dir="/model", name="model", replica=0)
+        filled = command.format(port=8000, model_dir="/model", name="model", replica=0, python="python3",
+                                max_model_len=4096)
     except KeyError as e:
         raise UsageError(f"{what}: unknown placeholder {{{e.args[0]}}} in {command!r}; known: {known}") from None
     except (IndexError, AttributeError, ValueError) as e:

@@ -87,7 +87,7 @@ def test_ops_lists_signatures(capsys):
     # a server command is filled in and split before anything runs
     (["serve-bench", "--model-dir", "/absent", "--model", "tiny", "--baseline", "python3 -m http.server {prot}"],
      "--baseline: unknown placeholder {prot} in 'python3 -m http.server {prot}'; known: {port}, {model_dir}, "
-     "{name}, {replica}"),
+     "{name}, {replica}, {python}, {max_model_len}"),
     (["serve-bench", "--model-dir", "/absent", "--model", "tiny", "--candidate", "srv --port {port"],
      "--candidate: cannot fill in 'srv --port {port' (expected '}' before end of string)"),
     (["optimize-engine", "--model-dir", "/absent", "--model", "tiny", "--baseline", "srv '{port}"],
@@ -246,3 +246,10 @@ def test_an_unreachable_prefect_server_is_one_line(argv, tmp_path):
     assert done.stderr.strip().splitlines()[-1] == (
         f"infersmith: the Prefect server at {url} is unreachable: start it (`prefect server start`), "
         "or unset PREFECT_API_URL to run on an ephemeral one"), done.stderr
+
+
+def test_a_server_command_may_name_the_hosts_python_and_the_model_length():
+    """What the end-to-end stage fills in (harness/serve/stage.py command_argv) is what the CLI accepts."""
+    from cli.serve import _check_command
+
+    _check_command("{python} -m my_server --port {port} --model {model_dir} --max-len {max_model_len}", "--candidate")
