@@ -121,6 +121,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    "tokens verified per decode step (default 0: off); greedy requests only")
     p.add_argument("--spec-ngram", type=int, default=3, help="the longest n-gram of a sequence's last tokens "
                    "looked up in its earlier ones to draft (default 3; shorter ones are tried next)")
+    p.add_argument("--moe-prefill", choices=["torch", "triton"], default="torch",
+                   help="MoE calls of more than 64 tokens: torch (default: the kernels file's path, torch's grouped "
+                        "GEMMs where they run) or triton (Triton grouped GEMMs, tried at start; torch where refused)")
     p.add_argument("--seed", type=int, default=0, help="the engine's random generator: sampled tokens of "
                                                          "requests without their own seed")
 
@@ -145,7 +148,7 @@ def engine_config(args):
                         mixed_steps=args.mixed_steps, async_decode=args.async_decode,
                         num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager, seed=args.seed,
                         quantization=args.quantization or "", spec_tokens=args.spec_tokens,
-                        spec_ngram=args.spec_ngram)
+                        spec_ngram=args.spec_ngram, moe_prefill=args.moe_prefill)
 
 
 def cmd_generate(args) -> int:

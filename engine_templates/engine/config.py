@@ -14,6 +14,7 @@ from engine_templates.models import QK_NORM, Llama3Rope, ModelDims
 from engine_templates.ops.base import DTYPES  # noqa: F401  (the engine's dtypes are the ops')
 
 QUANTIZATIONS = ("", "fp8")
+MOE_PREFILL = ("torch", "triton")  # EngineConfig.moe_prefill (moe_prefill.py)
 
 
 class EngineSetupError(ValueError):
@@ -206,6 +207,9 @@ class EngineConfig:
     spec_tokens: int = 0
     spec_ngram: int = 3
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # MoE calls of more than 64 tokens (prefill): "torch", the kernels file's path (eager's grouped GEMMs
+    # by torch._grouped_mm where they run), or "triton", Triton grouped GEMMs (moe_prefill.py)
+    moe_prefill: str = "torch"
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
 
@@ -222,6 +226,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise EngineSetupError(f"--quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
                                    f"not {self.quantization!r}")
+        if self.moe_prefill not in MOE_PREFILL:
+            raise EngineSetupError(f"--moe-prefill must be one of {', '.join(MOE_PREFILL)}, not {self.moe_prefill!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineSetupError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if any(b < 1 for b in self.cuda_graph_batch_sizes):

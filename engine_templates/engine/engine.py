@@ -83,21 +83,30 @@ class LLMEngine:
         if moe is not None and isinstance(moe.w_gate_up, torch.Tensor):  # FP8 experts: fp8.fused_moe_fp8
             self.kernels.settle_moe_prefill(moe.w_gate_up, moe.w_down, self.model_config.experts_per_token,
                                             config.torch_dtype)
+        if moe is not None and config.moe_prefill == "triton":
+            from engine_templates.engine.moe_prefill import MoEPrefill
+
+            self.runner.model.moe_prefill = MoEPrefill(moe.w_gate_up, moe.w_down, self.model_config.experts_per_token,
+                                                       self.model_config.norm_topk_prob, config.torch_dtype)
         log.info("engine kernels: %s", self.kernels.choices)
 
     @property
     def kernel_choices(self) -> dict:
         """Each op's implementation; with FP8 weights also `fp8`: the block scheme, the matmul
         path per kind of scale (fp8.Fp8Linear) and, for a MoE model, the experts' path
-        (fp8_moe.Fp8MoE: `moe`, and `moe_dequant_above_tokens` where large calls are dequantized)."""
+        (fp8_moe.Fp8MoE: `moe`, and `moe_dequant_above_tokens` where large calls are dequantized); with
+        --moe-prefill triton on a MoE model also `moe_prefill` (moe_prefill.MoEPrefill.choices)."""
+        model = self.runner.model
+        choices = self.kernels.choices
+        if model.moe_prefill is not None:
+            choices = choices | {"moe_prefill": model.moe_prefill.choices()}
         fp8 = self.model_config.fp8
         if fp8 is None:
-            return self.kernels.choices
-        model = self.runner.model
+            return choices
         out = {"block": list(fp8.block) if fp8.block else "channel", "linear": model.linear.choices}
         if model.moe_fp8 is not None:
             out |= model.moe_fp8.choices()
-        return self.kernels.choices | {"fp8": out}
+        return choices | {"fp8": out}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """A new sequence in the queue. ValueError (a message for the client) if it cannot fit."""

@@ -142,6 +142,7 @@ class DecoderModel:
         self.moe_fp8 = (Fp8MoE(kernels, moe.w_gate_up, moe.w_down, cfg.experts_per_token, dtype)
                         if kernels is not None and moe is not None and isinstance(moe.w_gate_up, Fp8Weight)
                         else None)
+        self.moe_prefill = None  # moe_prefill.MoEPrefill where the engine runs large calls through it
 
     def weights(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every weight by its HF transformers name (a tied lm_head is the embedding, not listed)."""
@@ -199,8 +200,9 @@ class DecoderModel:
 
     def _moe(self, layer: Layer, x):
         router_logits = F.linear(x, layer.router)
-        if isinstance(layer.w_gate_up, Fp8Weight):
-            return self.moe_fp8(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
-                                self.cfg.norm_topk_prob)
-        return self.k.fused_moe(x, router_logits, layer.w_gate_up, layer.w_down,
-                                self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+        moe = self.moe_fp8 if isinstance(layer.w_gate_up, Fp8Weight) else self.k.fused_moe
+        if self.moe_prefill is not None and self.moe_prefill.takes(x):
+            return self.moe_prefill(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
+                                    self.cfg.norm_topk_prob, moe)
+        return moe(x, router_logits, layer.w_gate_up, layer.w_down, self.cfg.experts_per_token,
+                   self.cfg.norm_topk_prob)
