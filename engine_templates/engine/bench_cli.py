@@ -45,6 +45,12 @@ def add_bench_commands(sub) -> None:
     b.add_argument("--seed", type=int, default=0, help="the random weights' seed (as `random-checkpoint --seed`)")
     b.add_argument("--serving", type=Path, help="a serving file (as `serve-bench --serving`): each of its traffic "
                    "patterns also run in process on every engine variant, under the serve stage's metric names")
+    b.add_argument("--profile", action="store_true", help="also profile each engine variant's prefill step at "
+                   "every --ttft-lengths and a batch-1 decode step: time per op category (GEMM, attention, "
+                   "norms, rope, MoE GEMMs, MoE routing, elementwise, other) and the launch gaps")
+    b.add_argument("--moe-prefill", choices=["torch", "triton"], default="torch",
+                   help="MoE calls of more than 64 tokens: torch (default) or triton (Triton grouped GEMMs; "
+                        "`engine serve --moe-prefill`)")
     b.set_defaults(engine_fn=cmd_bench)
     f = sub.add_parser("profile", help="where one decode step's time goes on a GPU: step wall time with CUDA "
                                        "graphs, the device's busy time, the roofline, and an eager step's kernels")
@@ -79,7 +85,8 @@ def cmd_bench(args) -> int:
                         enforce_eager=args.enforce_eager, async_decode=args.async_decode,
                         tolerance=args.tolerance, seed=args.seed, kernel_specs=specs, fp8=args.fp8,
                         spec_tokens=args.spec_tokens, spec_ngram=args.spec_ngram,
-                        serving=load_patterns(args.serving) if args.serving else ())
+                        serving=load_patterns(args.serving) if args.serving else (), profile=args.profile,
+                        moe_prefill=args.moe_prefill)
     try:
         opts.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, say

@@ -10,7 +10,9 @@ decoding, whose acceptance on random weights says little: docs/engine-fp8-specul
 agreement check — CUDA graphs against
 --enforce-eager, and both against HF — and the timed phases (measure.py); HF's phases after
 the first variant. Each variant is freed before the next. A variant that fails is recorded with its error and the rest
-go on. Writes engine_bench.json and engine_bench.md to the output directory.
+go on. With --profile, each variant's prefill step at every TTFT length and a batch-1 decode step
+are also profiled per op category (op_profile.py). Writes engine_bench.json and engine_bench.md to
+the output directory.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 from contract.serve import Pattern
 from engine_templates.engine.bench import serving
 from engine_templates.engine.bench.measure import Workload, check, engine_phases, hf_phases, sync
+from engine_templates.engine.bench.op_profile import profile_engine
 from engine_templates.engine.bench.report import markdown
 from engine_templates.engine.bench.roofline import bounds, weight_bytes
 from engine_templates.engine.config import DTYPES, EngineConfig, EngineSetupError, KernelSpec, ModelConfig
@@ -73,6 +76,8 @@ class BenchOptions:
     spec_tokens: int = 0  # each variant also with speculative decoding, this many draft tokens
     spec_ngram: int = 3
     serving: tuple[Pattern, ...] = ()  # a serving file's patterns, each also run in process (serving.py)
+    moe_prefill: str = "torch"  # EngineConfig.moe_prefill of every variant
+    profile: bool = False  # each engine variant's prefill and decode steps profiled per op category (op_profile.py)
 
     @property
     def variants(self) -> list[Variant]:
@@ -125,7 +130,7 @@ def _engine_config(opts: BenchOptions, variant: Variant, **extra) -> EngineConfi
                     max_num_batched_tokens=max(2048, max(w.ttft_lengths)),
                     kernels=opts.kernel_specs.get(variant.kernels, {}), enforce_eager=opts.enforce_eager,
                     async_decode=opts.async_decode, seed=opts.seed, quantization="fp8" if variant.fp8 else "",
-                    spec_tokens=variant.spec_tokens, spec_ngram=opts.spec_ngram)
+                    spec_tokens=variant.spec_tokens, spec_ngram=opts.spec_ngram, moe_prefill=opts.moe_prefill)
     settings.update(extra)
     return EngineConfig(**settings)
 
@@ -168,6 +173,9 @@ def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weig
                                                                       lambda: sync(opts.device))
             _log(f"  serving pattern {p.name}: {got['output_tps']:.4g} output tok/s, "
                  f"TTFT p50 {got['ttft_p50_ms']:.4g} ms ({got['requests']} requests)")
+    if opts.profile:
+        _log("  profiling a prefill step at each TTFT length and a batch-1 decode step")
+        result["profile"] = profile_engine(engine, work.ttft_lengths, work.decode_prompt, cfg.vocab, opts.seed)
     if variant.fp8:  # its own roofline: the matrices are read at one byte a parameter
         result["roofline"] = _bounds(opts, cfg, ceilings, matrix_itemsize=1)
         result["fp8"] = engine.kernel_choices["fp8"]

@@ -1,6 +1,7 @@
 """engine_bench.json as markdown: the figures with their roofline fractions, then agreement."""
 from __future__ import annotations
 
+from engine_templates.engine.bench import op_profile
 from engine_templates.engine.bench.roofline import fraction
 
 LABELS = {"decode_b1_tok_s": "decode, batch 1 (tok/s)", "ttft": "TTFT, {n} tokens (ms)",
@@ -92,6 +93,7 @@ def markdown(result: dict) -> str:
                     f"{c['graphs_vs_eager']['tokens_equal']} | {hf.get('worst_gap_to_hf_argmax', float('nan')):.3g} | "
                     f"{hf.get('max_logprob_diff', float('nan')):.3g} | {hf.get('hf_greedy_equal_prefix', '')} |")
         lines += _serving_table(r["systems"])
+        lines += op_profile.markdown({name: s["profile"] for name, s in r["systems"].items() if "profile" in s})
         spec = {name: s["speculative"] for name, s in r["systems"].items() if "speculative" in s}
         if spec:
             lines += ["", "| system | drafted tokens | accepted | acceptance rate |", "|---|---|---|---|"]
