@@ -4,6 +4,7 @@
 # `infersmith optimize` for each op and model, and leaves the tracking store and a report.
 # Usage (repo root, wheels in .whl/):
 #   OUT=dir [RESTORE=home.tgz] [ARCHIVE=file.tgz] [BUDGET=8] [MODELS="qwen3-8b"] [OPS="rmsnorm"] [OP_TIMEOUT=s] bash bench/gpu_bench.sh
+# OPS default: every op the engine takes a kernel for; fused_moe only at a mixture-of-experts model.
 # OP_TIMEOUT: one op's wall-clock budget (no candidate starts that would end after it); a
 # stage still running HARD_MARGIN (180) s later is interrupted. Finished candidates stay tracked.
 # The hard limit counts from the start of `infersmith optimize`, which on a fresh host spends ~60 s
@@ -16,7 +17,13 @@ source "$(dirname "$0")/gpu_env.sh"
 trap pack_home EXIT  # also when a time limit interrupts the run: what finished comes back
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee -a "$out/bench.log"
 for model in ${MODELS:-qwen3-8b qwen3-30b-a3b}; do
-    for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention}; do
+    for op in ${OPS:-rmsnorm fused_add_rmsnorm silu_mul decode_attention rope qk_norm_rope prefill_attention fused_moe}; do
+        # fused_moe has shapes only at a mixture-of-experts model's (qwen3-8b is dense): skipped, said so
+        if ! python3 -c "import sys; from engine_templates.hf_config import model_dims
+sys.exit(0 if sys.argv[1] != 'fused_moe' or model_dims(sys.argv[2]).is_moe else 1)" "$op" "$model"; then
+            echo "== $op $model: skipped (no shapes at a dense model)" | tee -a "$out/bench.log"
+            continue
+        fi
         echo "== $op $model budget ${BUDGET:-8}" | tee -a "$out/bench.log"
         # The flow stops proposing when another candidate would end after OP_TIMEOUT (--wall-clock)
         # and finishes the one in flight; the hard limit is for a stage that hangs. SIGINT, not

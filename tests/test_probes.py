@@ -63,6 +63,8 @@ def test_unknown_op_is_one_line():
     ("bench/diagnostics/fixed_cost.py", [], "fixed_cost: needs a CUDA GPU"),
     ("bench/diagnostics/fixed_cost.py", ["prefill"], "fixed_cost: takes no arguments"),
     ("bench/diagnostics/silu_persistent.py", [], "silu_persistent: needs a CUDA GPU"),
+    ("bench/moe_prefill_probe.py", [], "moe_prefill_probe: needs a CUDA GPU"),
+    ("bench/moe_prefill_probe.py", ["--preset", "qwen3-8b"], "moe_prefill_probe: qwen3-8b is dense"),
 ])
 def test_diagnostics_say_what_they_need(script, args, says):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
