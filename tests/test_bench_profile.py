@@ -24,12 +24,17 @@ from engine_templates.models import PRESETS  # noqa: E402
 def test_bench_profile_writes_each_steps_categories_and_launch_gaps(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["engine", "bench", "--out", str(out), "--presets", "tiny-moe", "--dtype", "fp32", "--device", "cpu",
-                 "--skip-hf", "--profile", "--decode-tokens", "6", "--ttft-lengths", "20", "40", "--ttft-reps", "1",
+                 "--skip-hf", "--profile", "--moe-prefill", "triton", "--decode-tokens", "6", "--ttft-lengths", "20", "70",
+                 "--ttft-reps", "1",
                  "--concurrency", "2", "--concurrent-prompt", "9", "--concurrent-tokens", "4", "--check-tokens", "4"])
     assert code == 0, capsys.readouterr().err
-    prof = json.loads((out / "engine_bench.json").read_text())["presets"]["tiny-moe"]["systems"]["engine"]["profile"]
-    assert list(prof) == ["prefill_20", "prefill_40", "decode_b1"]
-    assert prof["prefill_40"]["tokens"] == 40 and prof["decode_b1"]["context"] == 32
+    system = json.loads((out / "engine_bench.json").read_text())["presets"]["tiny-moe"]["systems"]["engine"]
+    # --moe-prefill reached the engine: the 70-token prompts' MoE calls ran the Triton grouped GEMMs
+    assert system["kernels"]["moe_prefill"]["path"] == "triton grouped"
+    assert system["kernels"]["moe_prefill"]["calls"]["triton"] >= 2, system["kernels"]["moe_prefill"]
+    prof = system["profile"]
+    assert list(prof) == ["prefill_20", "prefill_70", "decode_b1"]
+    assert prof["prefill_70"]["tokens"] == 70 and prof["decode_b1"]["context"] == 32
     for step, p in prof.items():
         cats = p["categories_us"]
         assert list(cats) == list(CATEGORIES) and p["device"] == "cpu"
@@ -41,7 +46,7 @@ def test_bench_profile_writes_each_steps_categories_and_launch_gaps(tmp_path, ca
             assert cats[cat] > 0, (step, cat, cats)
         assert p["top"] and all(t["category"] in CATEGORIES for t in p["top"])
     table = (out / "engine_bench.md").read_text()
-    assert "| category | prefill_20 | prefill_40 | decode_b1 |" in table
+    assert "| category | prefill_20 | prefill_70 | decode_b1 |" in table
     for row in ("| moe_gemm |", "| launch gaps (wall − kernels) |", "| step wall time |"):
         assert row in table
 

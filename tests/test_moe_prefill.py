@@ -190,3 +190,20 @@ def test_a_call_that_raises_goes_to_the_engines_path_and_the_kernel_is_refused()
 def test_moe_prefill_option_is_checked():
     with pytest.raises(EngineSetupError, match="--moe-prefill must be one of torch, triton"):
         EngineConfig(moe_prefill="cutlass")
+
+
+def test_moe_prefill_reaches_the_engine_config_and_the_bench(capsys):
+    import argparse
+
+    from engine_templates.engine.cli import add_commands, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers())
+    for base in (["serve", "--model-dir", str(checkpoint("moe"))],
+                 ["generate", "--model-dir", str(checkpoint("moe")), "--prompt", "x"]):
+        assert engine_config(parser.parse_args(base)).moe_prefill == "torch"
+        assert engine_config(parser.parse_args(base + ["--moe-prefill", "triton"])).moe_prefill == "triton"
+    assert parser.parse_args(["bench", "--out", "x", "--moe-prefill", "triton"]).moe_prefill == "triton"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["bench", "--out", "x", "--moe-prefill", "cutlass"])
+    assert exit_.value.code == 2 and "invalid choice: 'cutlass'" in capsys.readouterr().err

@@ -181,6 +181,8 @@ def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weig
         result["fp8"] = engine.kernel_choices["fp8"]
         if engine.runner.model.moe_fp8 is not None:  # calls from Python: prefills, warm-ups, captures
             result["fp8"]["moe_calls"] = dict(engine.runner.model.moe_fp8.calls)
+    if engine.runner.model.moe_prefill is not None:  # its calls by now, and a refusal since the start
+        result["kernels"]["moe_prefill"] = engine.runner.model.moe_prefill.choices()
     if variant.spec_tokens:  # every phase's drafts together, warm-ups included
         result["speculative"] = engine.spec_stats.as_dict()
     return result
