@@ -98,3 +98,52 @@ def test_ranges_wrap_the_ops_for_the_block_and_restore_them():
     with ranges(eng):
         assert eng.kernels.rmsnorm is not before and "_moe" in vars(eng.runner.model)
     assert eng.kernels.rmsnorm is before and "_moe" not in vars(eng.runner.model)
+
+
+def test_chunk_choice_is_the_smallest_within_the_margin_of_the_best():
+    from engine_templates.engine.bench.chunk import choose
+
+    points = [{"tokens": 128, "efficiency": 0.30}, {"tokens": 512, "efficiency": 0.62},
+              {"tokens": 1024, "efficiency": 0.71}, {"tokens": 2048, "efficiency": 0.76},
+              {"tokens": 4096, "efficiency": 0.74}]
+    assert choose(points, 0.9) == 1024  # 0.71 >= 0.9 * 0.76; 512's 0.62 is not
+    assert choose(points, 1.0) == 2048
+    assert choose(points, 0.5) == 512
+    assert choose(points[:1], 0.9) == 128
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_chunk_sweep_times_a_layers_gemms_and_counts_their_flops(preset):
+    from engine_templates.engine.bench.chunk import layer_flops, layer_gemms, sweep
+
+    cfg = ModelConfig.from_preset(PRESETS[preset])
+    out = layer_gemms(cfg, 40, torch.float32, "cpu")()
+    assert out.shape == (40, cfg.hidden)
+    h, hd = cfg.hidden, cfg.head_dim
+    mlp = (cfg.experts * h + cfg.experts_per_token * 3 * cfg.moe_intermediate * h if cfg.is_moe
+           else 3 * cfg.intermediate * h)
+    assert layer_flops(cfg, 40) == 2 * 40 * ((cfg.heads + 2 * cfg.kv_heads) * hd * h + h * cfg.heads * hd + mlp)
+    # a timer that takes a fixed 2 µs a token: every point at the same efficiency, given the rate
+    points = sweep(cfg, torch.float32, "cpu", 1e9, tokens=(16, 64), timer=lambda fn, device: 2.0 * fn().shape[0])
+    assert [p["tokens"] for p in points] == [16, 64] and [p["us"] for p in points] == [32.0, 128.0]
+    assert points[0]["efficiency"] == pytest.approx(layer_flops(cfg, 16) / 32e-6 / 1e9)
+    assert points[0]["efficiency"] == pytest.approx(points[1]["efficiency"])
+
+
+def test_bench_chunk_sweep_sets_each_variants_prefill_chunk(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "--dtype", "fp32", "--device", "cpu",
+                 "--skip-hf", "--chunk-sweep", "--profile", "--decode-tokens", "3", "--ttft-lengths", "300",
+                 "--ttft-reps", "1", "--concurrency", "2", "--concurrent-prompt", "9", "--concurrent-tokens", "2",
+                 "--check-tokens", "2"])
+    assert code == 0, capsys.readouterr().err
+    r = json.loads((out / "engine_bench.json").read_text())["presets"]["tiny"]
+    sweep = r["chunk_sweep"]
+    assert [p["tokens"] for p in sweep["points"]] == [128, 256, 512, 1024, 2048, 4096, 8192]
+    assert all(p["us"] > 0 and p["efficiency"] > 0 for p in sweep["points"])
+    best = max(p["efficiency"] for p in sweep["points"])
+    assert sweep["chosen"] == min(p["tokens"] for p in sweep["points"] if p["efficiency"] >= sweep["within"] * best)
+    system = r["systems"]["engine"]
+    assert system["config"]["max_num_batched_tokens"] == sweep["chosen"]
+    assert system["profile"]["prefill_300"]["steps"] == -(-300 // sweep["chosen"])
+    assert f"Prefill chunk {sweep['chosen']} tokens" in (out / "engine_bench.md").read_text()

@@ -48,6 +48,9 @@ def add_bench_commands(sub) -> None:
     b.add_argument("--profile", action="store_true", help="also profile each engine variant's prefill step at "
                    "every --ttft-lengths and a batch-1 decode step: time per op category (GEMM, attention, "
                    "norms, rope, MoE GEMMs, MoE routing, elementwise, other) and the launch gaps")
+    b.add_argument("--chunk-sweep", action="store_true", help="choose each preset's prefill chunk (the step's "
+                   "token budget, `--max-num-batched-tokens`) from a GEMM-efficiency sweep of one layer: the smallest "
+                   "within 10%% of the best efficiency (default: the longest TTFT length, at least 2048)")
     b.add_argument("--moe-prefill", choices=["torch", "triton"], default="torch",
                    help="MoE calls of more than 64 tokens: torch (default) or triton (Triton grouped GEMMs; "
                         "`engine serve --moe-prefill`)")
@@ -86,7 +89,7 @@ def cmd_bench(args) -> int:
                         tolerance=args.tolerance, seed=args.seed, kernel_specs=specs, fp8=args.fp8,
                         spec_tokens=args.spec_tokens, spec_ngram=args.spec_ngram,
                         serving=load_patterns(args.serving) if args.serving else (), profile=args.profile,
-                        moe_prefill=args.moe_prefill)
+                        moe_prefill=args.moe_prefill, chunk_sweep=args.chunk_sweep)
     try:
         opts.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, say

@@ -10,7 +10,8 @@ decoding, whose acceptance on random weights says little: docs/engine-fp8-specul
 agreement check — CUDA graphs against
 --enforce-eager, and both against HF — and the timed phases (measure.py); HF's phases after
 the first variant. Each variant is freed before the next. A variant that fails is recorded with its error and the rest
-go on. With --profile, each variant's prefill step at every TTFT length and a batch-1 decode step
+go on. With --chunk-sweep, every variant's prefill chunk (its step token budget) is the one a GEMM-efficiency
+sweep chooses (chunk.py). With --profile, each variant's prefill step at every TTFT length and a batch-1 decode step
 are also profiled per op category (op_profile.py). Writes engine_bench.json and engine_bench.md to
 the output directory.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from contract.serve import Pattern
-from engine_templates.engine.bench import serving
+from engine_templates.engine.bench import chunk, serving
 from engine_templates.engine.bench.measure import Workload, check, engine_phases, hf_phases, sync
 from engine_templates.engine.bench.op_profile import profile_engine
 from engine_templates.engine.bench.report import markdown
@@ -77,6 +78,7 @@ class BenchOptions:
     spec_ngram: int = 3
     serving: tuple[Pattern, ...] = ()  # a serving file's patterns, each also run in process (serving.py)
     moe_prefill: str = "torch"  # EngineConfig.moe_prefill of every variant
+    chunk_sweep: bool = False  # the prefill chunk of every variant from a GEMM-efficiency sweep (chunk.py)
     profile: bool = False  # each engine variant's prefill and decode steps profiled per op category (op_profile.py)
 
     @property
@@ -135,10 +137,12 @@ def _engine_config(opts: BenchOptions, variant: Variant, **extra) -> EngineConfi
     return EngineConfig(**settings)
 
 
-def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weights, oracle, ceilings) -> dict:
+def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weights, oracle, ceilings,
+                    chunk: dict | None = None) -> dict:
     engine, graphs_error = None, None
+    budget = {} if chunk is None else {"max_num_batched_tokens": chunk["chosen"]}
     try:
-        engine = LLMEngine(_engine_config(opts, variant), cfg, weights)
+        engine = LLMEngine(_engine_config(opts, variant, **budget), cfg, weights)
     except Exception as e:
         if opts.enforce_eager or torch.device(opts.device).type != "cuda":
             raise
@@ -148,7 +152,7 @@ def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weig
     if engine is None:  # outside the except block, so the failed engine's frames are gone
         _log(f"  CUDA graphs failed ({graphs_error}); measuring with --enforce-eager")
         _free(opts.device)
-        engine = LLMEngine(_engine_config(opts, variant, enforce_eager=True), cfg, weights)
+        engine = LLMEngine(_engine_config(opts, variant, enforce_eager=True, **budget), cfg, weights)
     work = opts.work
     small = dict(enforce_eager=True, max_num_seqs=work.check_prompts, num_kv_blocks=work.check_prompts * (
         -(-(work.check_prompt_len + work.check_tokens) // opts.block_size)) + 1)
@@ -230,6 +234,13 @@ def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
                      "moe": cfg.is_moe},
            "roofline": _bounds(opts, cfg, ceilings),
            "systems": {}}
+    if opts.chunk_sweep:
+        _log(f"{preset}: GEMM-efficiency sweep for the prefill chunk")
+        points = chunk.sweep(cfg, dtype, opts.device, ceilings["matmul_flops_per_s"])
+        out["chunk_sweep"] = {"points": points, "within": chunk.WITHIN, "chosen": chunk.choose(points)}
+        _log(f"  prefill chunk {out['chunk_sweep']['chosen']} tokens: " + ", ".join(
+            f"{p['tokens']}: {p['efficiency']:.0%}" for p in points))
+        _free(opts.device)
     oracle = None
     if not opts.skip_hf:
         from engine_templates.engine.oracle import HFOracle
@@ -246,7 +257,8 @@ def run_preset(opts: BenchOptions, preset: str, ceilings: dict, save) -> dict:
             out["systems"][name] = _run_system(lambda: _hf_system(opts, cfg, oracle), opts.device)  # noqa: F821 (deleted below, after the lambda ran)
         else:
             out["systems"][name] = _run_system(
-                lambda: _engine_variant(opts, system, cfg, weights, oracle, ceilings),  # noqa: F821 (deleted below)
+                lambda: _engine_variant(opts, system, cfg, weights, oracle, ceilings,  # noqa: F821 (deleted below)
+                                        out.get("chunk_sweep")),
                 opts.device)
         save(out)
     del oracle, weights

@@ -92,6 +92,11 @@ def markdown(result: dict) -> str:
                     f"| {name} | {'ok' if c['agree'] else 'NOT OK'} | {c['graphs']} | "
                     f"{c['graphs_vs_eager']['tokens_equal']} | {hf.get('worst_gap_to_hf_argmax', float('nan')):.3g} | "
                     f"{hf.get('max_logprob_diff', float('nan')):.3g} | {hf.get('hf_greedy_equal_prefix', '')} |")
+        if "chunk_sweep" in r:
+            c = r["chunk_sweep"]
+            lines += ["", f"Prefill chunk {c['chosen']} tokens, the smallest within {1 - c['within']:.0%} of the best "
+                          "GEMM efficiency of one layer (% of the measured matmul rate): "
+                      + ", ".join(f"{p['tokens']}: {p['efficiency']:.0%}" for p in c["points"]) + "."]
         lines += _serving_table(r["systems"])
         lines += op_profile.markdown({name: s["profile"] for name, s in r["systems"].items() if "profile" in s})
         spec = {name: s["speculative"] for name, s in r["systems"].items() if "speculative" in s}
