@@ -116,11 +116,13 @@ def summarize(events, device_type: str, steps: int) -> dict:
             if e.device_type == torch.autograd.DeviceType.CPU and e.kernels:
                 op = _engine_op(e)
                 for k in e.kernels:
+                    if k.name.startswith(RANGE):
+                        continue
                     add(k.name, category(k.name, op), k.duration)
                     linked[k.name] += k.duration
         ran: dict[str, float] = defaultdict(float)
-        for e in events:  # every kernel the device ran
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+        for e in events:  # every kernel the device ran (not the ranges' spans on its timeline)
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0 and not e.name.startswith(RANGE):
                 ran[e.name] += e.device_time
         for name, us in ran.items():  # what no launch was linked to (a graph replay's, say): by name
             if us - linked.get(name, 0.0) > 1e-3 * us:
