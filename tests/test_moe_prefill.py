@@ -207,3 +207,17 @@ def test_moe_prefill_reaches_the_engine_config_and_the_bench(capsys):
     with pytest.raises(SystemExit) as exit_:
         parser.parse_args(["bench", "--out", "x", "--moe-prefill", "cutlass"])
     assert exit_.value.code == 2 and "invalid choice: 'cutlass'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's bf16 dot")
+def test_a_kernel_that_disagrees_at_its_probe_is_refused(monkeypatch):
+    """Without the interpreter's upcast its dot multiplies bf16 operands as raw bits (grouped.py's
+    docstring): a kernel that runs and answers wrongly, which the probe must catch."""
+    from engine_templates.ops.fused_moe import grouped
+
+    _, _, w_gate_up, w_down = moe_inputs(4, 64, 32, 8, 2, torch.bfloat16)
+    monkeypatch.setattr(grouped, "UPCAST", False)
+    wrong = MoEPrefill(w_gate_up, w_down, 2, True, torch.bfloat16, point=SMALL)
+    assert not wrong.on and wrong.path.startswith("torch (triton refused: disagreed at 65 tokens: relative error")
+    monkeypatch.setattr(grouped, "UPCAST", True)
+    assert MoEPrefill(w_gate_up, w_down, 2, True, torch.bfloat16, point=SMALL).on
