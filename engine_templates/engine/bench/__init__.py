@@ -138,9 +138,9 @@ def _engine_config(opts: BenchOptions, variant: Variant, **extra) -> EngineConfi
 
 
 def _engine_variant(opts: BenchOptions, variant: Variant, cfg: ModelConfig, weights, oracle, ceilings,
-                    chunk: dict | None = None) -> dict:
+                    chunk_sweep: dict | None = None) -> dict:
     engine, graphs_error = None, None
-    budget = {} if chunk is None else {"max_num_batched_tokens": chunk["chosen"]}
+    budget = {} if chunk_sweep is None else {"max_num_batched_tokens": chunk_sweep["chosen"]}
     try:
         engine = LLMEngine(_engine_config(opts, variant, **budget), cfg, weights)
     except Exception as e:
