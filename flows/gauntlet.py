@@ -57,24 +57,28 @@ class Row:
 def target_for(case: Case, target: Target) -> Target:
     """The target a case runs on: the given one, with the case's stage time limit. An op whose
     shapes take the model's experts (fused_moe) gets, on a dense model, the mixture-of-experts
-    preset of its size class, so that one `--model` runs every op's cases."""
+    preset of its size class, and one whose shapes take a sliding window (the *_swa ops), on a
+    model without one, the windowed preset: so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
     if case.dtype:  # the op's target of that dtype, at its own default tolerance
         update |= {"dtype": case.dtype, "rtol": None, "approval_rtol": None}
     moe = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
-    if not target.dims.is_moe and takes_experts(case.op, moe, target):
+    windowed = "tiny-swa" if is_tiny(target.model) else "mistral-7b-v0.1"
+    if not target.dims.is_moe and takes(case.op, "experts", moe, target):
         update["model"] = moe
+    elif target.dims.sliding_window is None and takes(case.op, "window", windowed, target):
+        update["model"] = windowed
     return target.model_copy(update=update)
 
 
-def takes_experts(op: str, moe: str, target: Target) -> bool:
-    """Whether the op's shapes carry a model's experts, asked of the op on the mixture-of-experts
-    preset `moe`: such an op has nothing to run on a dense model. An error of the op's is raised,
-    never taken for a reason to change the model."""
+def takes(op: str, dim: str, preset: str, target: Target) -> bool:
+    """Whether the op's shapes carry `dim` (a model's experts, its window), asked of the op on
+    `preset`, a model that has it: such an op has nothing to run on a model without it. An error
+    of the op's is raised, never taken for a reason to change the model."""
     w = target.workload
-    return any("experts" in s.dims for s in get_op(op).shapes(PRESETS[moe], w.decode_batches, w.prefill_tokens,
-                                                              w.contexts))
+    return any(dim in s.dims for s in get_op(op).shapes(PRESETS[preset], w.decode_batches, w.prefill_tokens,
+                                                       w.contexts))
 
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,
