@@ -14,7 +14,7 @@ from contract.job import Shape
 from engine_templates.models import ModelDims
 from engine_templates.ops.decode_attention import DecodeAttention, _cdiv, seq_lens_for
 
-ODD_WINDOW = 23  # odd shapes' window at most: a prime, shorter than their contexts
+ODD_WINDOW = 7  # odd shapes' window at most: a prime, shorter than their longest sequences
 
 
 def window_of(op: str, model: ModelDims) -> int:
