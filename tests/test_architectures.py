@@ -328,8 +328,8 @@ def test_a_run_records_the_config_architecture_and_digest(tmp_path, capsys, pref
     assert run.data.tags["infersmith.target"].startswith(f"mixtral-{digest(CONFIGS['mixtral'])[:12]}/fp32/")
 
 
-@pytest.mark.parametrize("preset", ["llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "mixtral-8x7b", "qwen3-8b",
-                                    "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "mistral-7b-v0.3", "mistral-7b-v0.1", "qwen2.5-7b",
+                                    "mixtral-8x7b", "qwen3-8b", "qwen3-30b-a3b", "tiny-swa"])
 def test_a_preset_is_the_model_its_written_config_describes(preset):
     """The config.json a random checkpoint of the preset carries reads back as the preset."""
     import dataclasses
