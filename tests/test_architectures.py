@@ -282,6 +282,25 @@ def test_a_sliding_window_shorter_than_the_context_serves_from_the_command_line(
     assert got["token_ids"] == HFOracle.from_dir(out, "fp32").greedy(got["prompt_token_ids"], 8)
 
 
+def test_a_window_holds_for_drafts_verified_and_on_the_graph_path(tmp_path):
+    """Speculative decoding verifies each draft row as a decode query at its own length, and the
+    decode graphs' padded batches (run without capture on a CPU): both within the window."""
+    from engine_templates.engine.cuda_graphs import DecodeGraphs
+    from engine_templates.engine.oracle import HFOracle
+
+    out = save_hf_model("mistral-swa", tmp_path / "m")
+    oracle = HFOracle.from_dir(out, "fp32")
+    prompts, params = [PROMPTS[0], "a b c d e f a b c"], SamplingParams(max_tokens=16, ignore_eos=True)
+    for spec_tokens, graphs in ((4, False), (0, True)):
+        eng = LLMEngine(EngineConfig(model_dir=out, dtype="fp32", device="cpu", max_num_seqs=2, max_model_len=64,
+                                     block_size=4, spec_tokens=spec_tokens))
+        if graphs:
+            eng.runner.graphs = DecodeGraphs(eng.runner, eng.model_config, capture=False)
+        for seq in eng.generate(prompts, params):
+            assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 16), spec_tokens
+        assert spec_tokens == 0 or eng.spec_stats.as_dict()["drafted_tokens"] > 0  # the model repeats a token
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral", "mistral-swa"])
 def test_the_shipped_templates_serve_each_architecture_as_transformers_does(kind, tmp_path):
     """Every op from its Triton template (the interpreter on a CPU): rope's on views of the fused
