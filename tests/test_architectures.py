@@ -155,6 +155,13 @@ def test_a_target_takes_its_op_shapes_from_the_config(kind, tmp_path):
             assert moe_shape.dims["inter"] == 32
         else:
             assert get_op("silu_mul").shapes(dims, [1], [], [64])[0].dims["inter"] == 96
+        window = CONFIGS[kind].get("sliding_window")
+        for op in ("decode_attention_swa", "prefill_attention_swa"):
+            if window is None:
+                with pytest.raises(ValueError, match="needs a model with a sliding_window"):
+                    get_op(op).shapes(dims, [1], [40], [64])
+            else:
+                assert {s.dims["window"] for s in get_op(op).shapes(dims, [1], [40], [64])} == {window}
     # Two paths to one config are the same target; a changed config is another.
     assert Target(model=str(tmp_path)).key() == Target(model=str(tmp_path / "config.json")).key()
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[kind], "rms_norm_eps": 1e-5}))
