@@ -73,6 +73,10 @@ PRESETS: dict[str, ModelDims] = {
                   rope_scaling=Llama3Rope(8.0, 1.0, 4.0, 8192), max_positions=131072),
         ModelDims("mistral-7b-v0.3", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                   head_dim=128, vocab=32768, rms_eps=1e-5, arch="mistral", max_positions=32768),
+        # mistralai/Mistral-7B-v0.1: attention to the last 4096 positions (the *_swa ops)
+        ModelDims("mistral-7b-v0.1", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                  head_dim=128, vocab=32000, rms_eps=1e-5, rope_theta=10000.0, arch="mistral",
+                  sliding_window=4096, max_positions=32768),
         ModelDims("qwen2.5-7b", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
                   head_dim=128, vocab=152064, arch="qwen2", qkv_bias=True, max_positions=131072),
         ModelDims("mixtral-8x7b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
@@ -83,5 +87,8 @@ PRESETS: dict[str, ModelDims] = {
                   kv_heads=2, head_dim=16, vocab=512),
         ModelDims("tiny-moe", hidden=96, intermediate=40, layers=2, heads=4,
                   kv_heads=2, head_dim=16, vocab=512, experts=8, experts_per_token=2, arch="qwen3_moe"),
+        # a window shorter than the tiny workload's prefills and contexts (targets.TINY_WORKLOAD)
+        ModelDims("tiny-swa", hidden=96, intermediate=160, layers=2, heads=4, kv_heads=2, head_dim=16,
+                  vocab=512, arch="mistral", sliding_window=19),
     )
 }

@@ -57,24 +57,29 @@ class Row:
 def target_for(case: Case, target: Target) -> Target:
     """The target a case runs on: the given one, with the case's stage time limit. An op whose
     shapes take the model's experts (fused_moe) gets, on a dense model, the mixture-of-experts
-    preset of its size class, so that one `--model` runs every op's cases."""
+    preset of its size class, and one whose shapes take a sliding window (the *_swa ops), on a
+    model without one, the windowed preset: so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
     if case.dtype:  # the op's target of that dtype, at its own default tolerance
         update |= {"dtype": case.dtype, "rtol": None, "approval_rtol": None}
-    moe = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
-    if not target.dims.is_moe and takes_experts(case.op, moe, target):
-        update["model"] = moe
+    moe, windowed = ("tiny-moe", "tiny-swa") if is_tiny(target.model) else ("qwen3-30b-a3b", "mistral-7b-v0.1")
+    if not target.dims.is_moe or target.dims.sliding_window is None:
+        dims = shape_dims(case.op, moe, windowed, target)
+        if not target.dims.is_moe and "experts" in dims:
+            update["model"] = moe
+        elif target.dims.sliding_window is None and "window" in dims:
+            update["model"] = windowed
     return target.model_copy(update=update)
 
 
-def takes_experts(op: str, moe: str, target: Target) -> bool:
-    """Whether the op's shapes carry a model's experts, asked of the op on the mixture-of-experts
-    preset `moe`: such an op has nothing to run on a dense model. An error of the op's is raised,
-    never taken for a reason to change the model."""
+def shape_dims(op: str, moe: str, windowed: str, target: Target) -> set[str]:
+    """The dims of the op's shapes, asked of the op on a model that has every feature an op may
+    take (the mixture-of-experts preset `moe` with the sliding window of the preset `windowed`).
+    An error of the op's is raised, never taken for a reason to change the model."""
     w = target.workload
-    return any("experts" in s.dims for s in get_op(op).shapes(PRESETS[moe], w.decode_batches, w.prefill_tokens,
-                                                              w.contexts))
+    every = replace(PRESETS[moe], sliding_window=PRESETS[windowed].sliding_window)
+    return {k for s in get_op(op).shapes(every, w.decode_batches, w.prefill_tokens, w.contexts) for k in s.dims}
 
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,

@@ -34,8 +34,13 @@ CONFIGS = {
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **COMMON, "rope_scaling": LLAMA3_ROPE},
     "llama-tied": {"model_type": "llama", **COMMON, "tie_word_embeddings": True},
     "mistral": {"model_type": "mistral", **COMMON, "head_dim": 16, "sliding_window": None},
-    # a window no sequence of max_model_len reaches: full attention is exact
+    # a window no sequence of max_model_len reaches: the full-attention ops serve it
     "mistral-window": {"model_type": "mistral", **COMMON, "sliding_window": 4096},
+    # windows shorter than every prompt but "A" plus its completion: prefill (chunked too) and
+    # decode steps past the window, through the *_swa ops
+    "mistral-swa": {"model_type": "mistral", **COMMON, "sliding_window": 6},
+    "mixtral-swa": {"model_type": "mixtral", **COMMON, "intermediate_size": 32, "num_local_experts": 8,
+                    "num_experts_per_tok": 2, "sliding_window": 5},
     "qwen2": {"model_type": "qwen2", **COMMON, "use_sliding_window": False},
     "qwen3": {"model_type": "qwen3", **COMMON, "head_dim": 16},
     "qwen3_moe": {"model_type": "qwen3_moe", **COMMON, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
@@ -84,9 +89,12 @@ def test_greedy_tokens_and_logprobs_equal_transformers(pair):
     assert cfg.model_type == CONFIGS[kind]["model_type"]
     assert cfg.qkv_bias == (kind == "qwen2") and cfg.qk_norm == kind.startswith("qwen3")
     assert (cfg.rope_scaling is not None) == (kind == "llama") and cfg.tie_embeddings == (kind == "llama-tied")
-    assert cfg.is_moe == (kind in ("qwen3_moe", "mixtral"))
+    assert cfg.is_moe == (cfg.model_type in ("qwen3_moe", "mixtral"))
     seqs = eng.generate(PROMPTS, GREEDY)
     assert any(s.num_prompt_tokens > 32 for s in seqs), "one prompt is chunked over several steps"
+    if kind.endswith("-swa"):  # every sequence decodes past its window
+        assert all(s.num_prompt_tokens + 1 > cfg.sliding_window for s in seqs[:2])
+        assert seqs[2].num_prompt_tokens < cfg.sliding_window < len(seqs[2].token_ids)
     for seq in seqs:
         prompt = seq.token_ids[:seq.num_prompt_tokens]
         assert seq.completion_token_ids == oracle.greedy(prompt, GREEDY.max_tokens), (kind, seq)
@@ -94,22 +102,35 @@ def test_greedy_tokens_and_logprobs_equal_transformers(pair):
         assert max(abs(a - b) for a, b in zip(seq.logprobs, expected)) < 1e-4, kind
     # The tokens are the model's own: a plain greedy run of each prompt differs between prompts.
     assert len({tuple(s.completion_token_ids) for s in seqs}) > 1
+    if kind.endswith("-swa"):  # the window matters: full attention over the same cache gives other answers
+        eng.runner.model.window = None
+        try:
+            full = eng.generate(PROMPTS[:2], GREEDY)
+        finally:
+            eng.runner.model.window = cfg.sliding_window
+        assert all(max(abs(a - b) for a, b in zip(f.logprobs, s.logprobs)) > 1e-3 for f, s in zip(full, seqs))
 
 
-def test_the_calls_of_rope_or_qk_norm_rope_follow_the_architecture(pair):
+def test_the_calls_of_rope_or_qk_norm_rope_and_of_the_attention_ops_follow_the_architecture(pair):
     kind, _, eng, _ = pair
-    rotated = {}
-    for op in ("rope", "qk_norm_rope"):
+    calls = {}
+    for op in ("rope", "qk_norm_rope", "prefill_attention", "decode_attention", "prefill_attention_swa",
+               "decode_attention_swa"):
         fn = getattr(eng.kernels, op)
-        rotated[op] = 0
+        calls[op] = 0
 
         def counted(*args, _fn=fn, _op=op):
-            rotated[_op] += 1
+            calls[_op] += 1
             return _fn(*args)
         setattr(eng.kernels, op, counted)
     eng.generate(PROMPTS[:1], SamplingParams(max_tokens=2, ignore_eos=True))
     used, unused = ("qk_norm_rope", "rope") if kind.startswith("qwen3") else ("rope", "qk_norm_rope")
-    assert rotated[used] > 0 and rotated[unused] == 0, rotated
+    assert calls[used] > 0 and calls[unused] == 0, calls
+    # a window shorter than the served context: the *_swa ops (mistral-window's covers it)
+    windowed = ("prefill_attention_swa", "decode_attention_swa")
+    full = ("prefill_attention", "decode_attention")
+    used, unused = (windowed, full) if kind.endswith("-swa") else (full, windowed)
+    assert all(calls[op] > 0 for op in used) and all(calls[op] == 0 for op in unused), calls
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -122,7 +143,7 @@ def test_a_target_takes_its_op_shapes_from_the_config(kind, tmp_path):
         target = Target(model=str(model))
         dims = target.dims
         assert dims.arch == CONFIGS[kind]["model_type"] and len(dims.config_sha256) == 64
-        moe = kind in ("qwen3_moe", "mixtral")
+        moe = dims.arch in ("qwen3_moe", "mixtral")
         (attn,) = get_op("decode_attention").shapes(dims, [1], [], [64])[:1]
         assert {k: attn.dims[k] for k in ("q_heads", "kv_heads", "head_dim")} == {
             "q_heads": 4, "kv_heads": 2, "head_dim": 16}
@@ -134,13 +155,20 @@ def test_a_target_takes_its_op_shapes_from_the_config(kind, tmp_path):
             assert moe_shape.dims["inter"] == 32
         else:
             assert get_op("silu_mul").shapes(dims, [1], [], [64])[0].dims["inter"] == 96
+        window = CONFIGS[kind].get("sliding_window")
+        for op in ("decode_attention_swa", "prefill_attention_swa"):
+            if window is None:
+                with pytest.raises(ValueError, match="needs a model with a sliding_window"):
+                    get_op(op).shapes(dims, [1], [40], [64])
+            else:
+                assert {s.dims["window"] for s in get_op(op).shapes(dims, [1], [40], [64])} == {window}
     # Two paths to one config are the same target; a changed config is another.
     assert Target(model=str(tmp_path)).key() == Target(model=str(tmp_path / "config.json")).key()
     (tmp_path / "config.json").write_text(json.dumps({**CONFIGS[kind], "rms_norm_eps": 1e-5}))
     assert Target(model=str(tmp_path)).key() != target.key()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral-window", "qwen2", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral-window", "mistral-swa", "qwen2", "mixtral"])
 def test_a_random_checkpoint_of_a_config_round_trips_through_the_loader(kind, tmp_path):
     from engine_templates.engine.loader import load_weights, random_weights
     from engine_templates.engine.model import DecoderModel
@@ -153,6 +181,7 @@ def test_a_random_checkpoint_of_a_config_round_trips_through_the_loader(kind, tm
     cfg = ModelConfig.from_dir(out)
     assert cfg.model_type == CONFIGS[kind]["model_type"] and cfg.vocab == VOCAB
     assert cfg.rope_scaling == ModelConfig.from_dir(tmp_path).rope_scaling
+    assert cfg.sliding_window == CONFIGS[kind].get("sliding_window")
     model = DecoderModel(cfg, None, None, torch.bfloat16, "cpu")
     load_weights(model, out)
     drawn = random_weights(cfg, torch.bfloat16, "cpu", seed=2)
@@ -245,25 +274,45 @@ def test_a_bad_config_logs_no_candidate(bad_dirs, capsys, tracking_home):
     assert runs() == before
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path, capsys):
-    out = save_hf_model("mistral", tmp_path / "m")
-    capsys.readouterr()  # transformers' progress bar of the save
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
-    err = _one_line(capsys, ["engine", "generate", "--model-dir", str(out), "--prompt", "hi", "--device", "cpu",
-                             "--max-model-len", "256"])
-    assert "sliding_window (128) is shorter than --max-model-len (256)" in err
-    # the same model serves at a context the window covers
+def test_a_sliding_window_shorter_than_the_context_serves_from_the_command_line(tmp_path, capsys):
     from cli.main import main
 
-    assert main(["engine", "generate", "--model-dir", str(out), "--prompt", "hi", "--device", "cpu",
-                 "--max-model-len", "128", "--max-tokens", "2", "--dtype", "fp32"]) == 0
+    out = save_hf_model("mistral-swa", tmp_path / "m")
+    capsys.readouterr()  # transformers' progress bar of the save
+    from engine_templates.engine.oracle import HFOracle
+
+    assert main(["engine", "generate", "--model-dir", str(out), "--prompt", "Hello world! How are you today?",
+                 "--device", "cpu", "--max-model-len", "256", "--max-tokens", "8", "--dtype", "fp32",
+                 "--ignore-eos", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert len(got["prompt_token_ids"]) + 8 > 6  # the window
+    assert got["token_ids"] == HFOracle.from_dir(out, "fp32").greedy(got["prompt_token_ids"], 8)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral"])
+def test_a_window_holds_for_drafts_verified_and_on_the_graph_path(tmp_path):
+    """Speculative decoding verifies each draft row as a decode query at its own length, and the
+    decode graphs' padded batches (run without capture on a CPU): both within the window."""
+    from engine_templates.engine.cuda_graphs import DecodeGraphs
+    from engine_templates.engine.oracle import HFOracle
+
+    out = save_hf_model("mistral-swa", tmp_path / "m")
+    oracle = HFOracle.from_dir(out, "fp32")
+    prompts, params = [PROMPTS[0], "a b c d e f a b c"], SamplingParams(max_tokens=16, ignore_eos=True)
+    for spec_tokens, graphs in ((4, False), (0, True)):
+        eng = LLMEngine(EngineConfig(model_dir=out, dtype="fp32", device="cpu", max_num_seqs=2, max_model_len=64,
+                                     block_size=4, spec_tokens=spec_tokens))
+        if graphs:
+            eng.runner.graphs = DecodeGraphs(eng.runner, eng.model_config, capture=False)
+        for seq in eng.generate(prompts, params):
+            assert seq.completion_token_ids == oracle.greedy(seq.token_ids[:seq.num_prompt_tokens], 16), spec_tokens
+        assert spec_tokens == 0 or eng.spec_stats.as_dict()["drafted_tokens"] > 0  # the model repeats a token
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mixtral", "mistral-swa"])
 def test_the_shipped_templates_serve_each_architecture_as_transformers_does(kind, tmp_path):
     """Every op from its Triton template (the interpreter on a CPU): rope's on views of the fused
-    qkv projection, after Qwen2's biases; Mixtral's routing through fused_moe's template."""
+    qkv projection, after Qwen2's biases; Mixtral's routing through fused_moe's template; a
+    sliding window through the attention templates' windowed kernels."""
     from pathlib import Path
 
     from engine_templates.engine.kernels import parse_kernels_file
@@ -305,8 +354,8 @@ def test_a_run_records_the_config_architecture_and_digest(tmp_path, capsys, pref
     assert run.data.tags["infersmith.target"].startswith(f"mixtral-{digest(CONFIGS['mixtral'])[:12]}/fp32/")
 
 
-@pytest.mark.parametrize("preset", ["llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "mixtral-8x7b", "qwen3-8b",
-                                    "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["llama-3.1-8b", "mistral-7b-v0.3", "mistral-7b-v0.1", "qwen2.5-7b",
+                                    "mixtral-8x7b", "qwen3-8b", "qwen3-30b-a3b", "tiny-swa"])
 def test_a_preset_is_the_model_its_written_config_describes(preset):
     """The config.json a random checkpoint of the preset carries reads back as the preset."""
     import dataclasses

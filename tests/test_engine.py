@@ -375,7 +375,10 @@ def test_the_model_calls_the_free_kernel_named_for_every_op_and_uses_its_output(
     assert n["fused_moe"] == n["silu_mul"] == forwards, n  # one MoE layer, one dense
 
     assert n["rope"] == 0, n  # Qwen3 rotates in qk_norm_rope; Llama and the others in rope
-    for op in set(ENGINE_OPS) - {"rope"}:
+    # no sliding window: the *_swa ops are tests/test_architectures.py's (a windowed Mistral)
+    unused = {"rope", "prefill_attention_swa", "decode_attention_swa"}
+    assert all(n[op] == 0 for op in unused), n
+    for op in set(ENGINE_OPS) - unused:
         module = getattr(eng.kernels, op).__globals__
         module["SCALE"] = 1.5
         try:

@@ -227,6 +227,19 @@ def test_long_context_decode_counts_the_kv_cache_and_fp8_halves_the_matrices():
     assert fp8 == pytest.approx(weights - (8_190_735_360 - 2 * cfg.vocab * cfg.hidden - norms), rel=1e-12)
 
 
+def test_a_sliding_window_bounds_the_kv_cache_read_and_the_attention_flops():
+    from engine_templates.engine.bench.roofline import kv_bytes, prefill_flops
+
+    windowed, full = ModelConfig.from_preset(PRESETS["mistral-7b-v0.1"]), ModelConfig.from_preset(PRESETS["mistral-7b-v0.3"])
+    full = dataclasses.replace(full, vocab=windowed.vocab)  # v0.3's larger vocabulary aside, the same model
+    assert kv_bytes(windowed, 32768, 2) == kv_bytes(full, 4096, 2) == 2 * 32 * 8 * 128 * 4096 * 2
+    assert kv_bytes(windowed, 1000, 2) == kv_bytes(full, 1000, 2)
+    assert prefill_flops(windowed, 4096) == prefill_flops(full, 4096)
+    # past the window each token sees 4096 keys: 4 flops per key, channel and head, per layer
+    extra = prefill_flops(windowed, 4097) - prefill_flops(windowed, 4096)
+    assert extra - (prefill_flops(full, 4097) - prefill_flops(full, 4096)) == pytest.approx(-4 * 32 * 128 * 32)
+
+
 def test_bench_fp8_speculative_and_long_context_variants(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["engine", "bench", "--out", str(out), "--presets", "tiny", "--dtype", "fp32", "--device", "cpu",

@@ -98,6 +98,16 @@ def test_manifest_lists_every_file_and_every_vector():
     assert any(c.op == "qk_norm_rope" and c.point == "default" and c.ci for c in CASES)
 
 
+def test_the_window_ops_reject_a_kernel_ignoring_the_window_and_pass_their_honest_suite_in_ci():
+    for op in ("decode_attention_swa", "prefill_attention_swa"):
+        cases = {c.file or c.point: c for c in CASES if c.op == op}
+        ignores = cases["ignores_window.py"]
+        assert (ignores.expect, ignores.gate, ignores.ci) == ("fail", "accuracy", True), op
+        assert {"honest_torch.py", "default"} <= {k for k, c in cases.items() if c.honest and c.ci}, op
+        assert {c.point for c in cases.values() if c.template} == {"default", "far"}, op
+        assert target_for(ignores, TARGET).model == "tiny-swa"
+
+
 def test_fused_moe_cases_run_on_the_moe_preset_of_the_models_size_class():
     moe = next(c for c in CASES if c.op == "fused_moe")
     dense = next(c for c in CASES if c.op == "rmsnorm")

@@ -31,6 +31,14 @@ def test_an_op_taking_experts_moves_to_the_moe_preset_of_the_size_class():
     assert target_for(case("rmsnorm"), Target(model="tiny")).model == "tiny"
 
 
+def test_an_op_taking_a_window_moves_to_the_windowed_preset_of_the_size_class():
+    assert target_for(case("decode_attention_swa"), Target(model="tiny")).model == "tiny-swa"
+    assert target_for(case("prefill_attention_swa"), Target(model="tiny-moe")).model == "tiny-swa"
+    assert target_for(case("prefill_attention_swa"), Target(model="qwen3-8b")).model == "mistral-7b-v0.1"
+    assert target_for(case("decode_attention_swa"), Target(model="tiny-swa")).model == "tiny-swa"
+    assert target_for(case("decode_attention"), Target(model="tiny")).model == "tiny"
+
+
 def test_an_ops_own_value_error_surfaces_instead_of_moving_the_case(monkeypatch):
     monkeypatch.setitem(OPS, MisreadNorm.name, MisreadNorm())
     with pytest.raises(ValueError, match="invalid literal for int"):

@@ -33,7 +33,7 @@ import logging
 import torch
 
 from engine_templates.engine.block_manager import BlockManager
-from engine_templates.engine.config import EngineConfig, EngineSetupError, ModelConfig
+from engine_templates.engine.config import EngineConfig, ModelConfig
 from engine_templates.engine.fp8 import Fp8Scheme
 from engine_templates.engine.kernels import KernelSet
 from engine_templates.engine.model_runner import LaunchedStep, ModelRunner
@@ -59,12 +59,6 @@ class LLMEngine:
         else:
             self.model_config = ModelConfig.from_dir(config.model_dir)
             self.tokenizer = Tokenizer(config.model_dir)
-        window = self.model_config.sliding_window
-        if window is not None and window < config.max_model_len:
-            # Positions further apart than the window never meet below it: full attention is exact.
-            raise EngineSetupError(f"the model's sliding_window ({window}) is shorter than --max-model-len "
-                                   f"({config.max_model_len}); sliding-window attention is not supported, serve "
-                                   f"with --max-model-len {window} or less")
         if config.quantization == "fp8" and self.model_config.fp8 is None:
             self.model_config = dataclasses.replace(self.model_config, fp8=Fp8Scheme())  # per output channel
         self.kernels = KernelSet(config.kernels)

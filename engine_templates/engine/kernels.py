@@ -32,9 +32,10 @@ from engine_templates.ops.fused_moe import eager_path, grouped_usable
 
 log = logging.getLogger("infersmith.engine")
 
-# qk_norm_rope where the architecture normalizes q and k per head (Qwen3), rope where it does not
+# qk_norm_rope where the architecture normalizes q and k per head (Qwen3), rope where it does not;
+# the attention ops' *_swa where the model's sliding window is shorter than the served context
 ENGINE_OPS = ("rmsnorm", "fused_add_rmsnorm", "silu_mul", "qk_norm_rope", "rope", "decode_attention",
-              "prefill_attention", "fused_moe")
+              "prefill_attention", "fused_moe", "decode_attention_swa", "prefill_attention_swa")
 IMPLS = ("reference", "eager", "template", "free")
 FIELD_TYPES = {"impl": (str, "a string"), "template": (str, "a template's name"),
                "point": (dict, 'an object of the template\'s parameters, e.g. {"block_n": 0}'),

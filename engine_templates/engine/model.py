@@ -69,13 +69,16 @@ class Layer:
 
 class DecoderModel:
     def __init__(self, cfg: ModelConfig, kernels: KernelSet | None, cos_sin: torch.Tensor | None,
-                 dtype: torch.dtype, device: str, weights: dict[str, torch.Tensor] | None = None):
+                 dtype: torch.dtype, device: str, weights: dict[str, torch.Tensor] | None = None,
+                 window: int | None = None):
         """Empty weights for a loader to fill, or `weights` (every name of `weights()`) used as
         they are, not copied: models built from one dict share their storage — except the
         matrices the model stacks (q/k/v, and a dense MLP's gate/up), which it copies into one
         tensor each and then names as row views of it, and, when cfg.fp8 asks for FP8, the
-        linear layers and experts given in another dtype, which it quantizes."""
+        linear layers and experts given in another dtype, which it quantizes. `window`: attend
+        each position's last `window` positions only (the *_swa ops), None: all before it."""
         self.cfg = cfg
+        self.window = window
         self.k = kernels
         self.cos_sin = cos_sin
         self.scale = cfg.head_dim ** -0.5
@@ -187,9 +190,15 @@ class DecoderModel:
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         k_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, key)
         v_cache.view(-1, cfg.kv_heads, hd).index_copy_(0, attn.slot_mapping, value)
-        if attn.is_prefill:
+        if attn.is_prefill and self.window is not None:
+            out = k.prefill_attention_swa(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                          attn.block_table, self.scale, self.window)
+        elif attn.is_prefill:
             out = k.prefill_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                       attn.block_table, self.scale)
+        elif self.window is not None:
+            out = k.decode_attention_swa(q, k_cache, v_cache, attn.seq_lens, attn.block_table, self.scale,
+                                         self.window)
         else:
             out = k.decode_attention(q, k_cache, v_cache, attn.seq_lens, attn.block_table, self.scale)
         return self.linear(out.reshape(tokens, -1), layer.o_proj)

@@ -55,8 +55,10 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         cos_sin = cos_sin_table(model_config.head_dim, config.max_model_len, model_config.rope_theta,
                                 device=self.device, llama3=model_config.rope_scaling)
+        # A window the served context fits in changes nothing: the full-attention ops then serve it.
+        window = model_config.sliding_window
         self.model = DecoderModel(model_config, kernels, cos_sin, config.torch_dtype, config.device,
-                                weights)
+                                  weights, window if window is not None and window < config.max_model_len else None)
         if weights is None:
             load_weights(self.model, config.model_dir)
         self.num_blocks = self._allocate_kv_cache(model_config)

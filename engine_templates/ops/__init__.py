@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from engine_templates.ops.base import Op
 from engine_templates.ops.decode_attention import OP as _decode_attention
+from engine_templates.ops.decode_attention_swa import OP as _decode_attention_swa
 from engine_templates.ops.fused_add_rmsnorm import OP as _fused_add_rmsnorm
 from engine_templates.ops.fused_moe import OP as _fused_moe
 from engine_templates.ops.fused_moe.fp8 import OP as _fused_moe_fp8
 from engine_templates.ops.linear import OP as _linear
 from engine_templates.ops.linear.fp8 import OP as _linear_fp8
 from engine_templates.ops.prefill_attention import OP as _prefill_attention
+from engine_templates.ops.prefill_attention_swa import OP as _prefill_attention_swa
 from engine_templates.ops.qk_norm_rope import OP as _qk_norm_rope
 from engine_templates.ops.rmsnorm import OP as _rmsnorm
 from engine_templates.ops.rope import OP as _rope
 from engine_templates.ops.silu_mul import OP as _silu_mul
 
 OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul, _fused_add_rmsnorm, _decode_attention,
-                                             _rope, _qk_norm_rope, _prefill_attention, _fused_moe, _linear)}
+                                             _rope, _qk_norm_rope, _prefill_attention, _fused_moe, _linear,
+                                             _decode_attention_swa, _prefill_attention_swa)}
 FP8_OPS: dict[str, Op] = {op.name: op for op in (_linear_fp8, _fused_moe_fp8)}
 
 

@@ -47,7 +47,10 @@ def weight_bytes(cfg: ModelConfig, tokens: int, itemsize: int, matrix_itemsize: 
 
 
 def kv_bytes(cfg: ModelConfig, context: float, itemsize: int) -> float:
-    """Bytes of KV cache one decode step reads for one sequence of `context` cached positions."""
+    """Bytes of KV cache one decode step reads for one sequence of `context` cached positions (its
+    last sliding_window positions, where the model has a window)."""
+    if cfg.sliding_window is not None:
+        context = min(context, cfg.sliding_window)
     return 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * context * itemsize
 
 
@@ -58,7 +61,11 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
     attn_w = (cfg.heads + 2 * cfg.kv_heads) * hd * h + h * cfg.heads * hd
     mlp_w = (cfg.experts * h + cfg.experts_per_token * 3 * cfg.moe_intermediate * h) if cfg.is_moe \
         else 3 * cfg.intermediate * h
-    scores = 4 * cfg.heads * hd * tokens * (tokens + 1) / 2  # q.k and p.v over the causal triangle
+    pairs = tokens * (tokens + 1) / 2  # the causal triangle, less what is outside a sliding window
+    if cfg.sliding_window is not None and tokens > cfg.sliding_window:
+        w = cfg.sliding_window
+        pairs = w * (w + 1) / 2 + (tokens - w) * w
+    scores = 4 * cfg.heads * hd * pairs  # q.k and p.v
     return cfg.layers * (2 * tokens * (attn_w + mlp_w) + scores) + 2 * cfg.vocab * h
 
 

@@ -127,7 +127,8 @@ class DecodeAttention(Op):
         seq_lens = lens.to(device=device, dtype=torch.int32)
         return q, caches[0], caches[1], seq_lens, block_table, hd ** -0.5
 
-    def reference(self, q, k_cache, v_cache, seq_lens, block_table, scale):
+    def reference(self, q, k_cache, v_cache, seq_lens, block_table, scale, window=0):
+        # window > 0: the last `window` positions of each sequence only (decode_attention_swa)
         b, qh, hd = q.shape
         kvh = k_cache.shape[2]
         out = torch.empty((b, qh, hd), dtype=torch.float64, device=q.device)
@@ -138,19 +139,24 @@ class DecodeAttention(Op):
                 blocks = block_table[i, :_cdiv(n, k_cache.shape[1])].long()
                 k = k_cache[blocks].reshape(-1, kvh, hd)[:n]
                 v = v_cache[blocks].reshape(-1, kvh, hd)[:n]
+            if window > 0:
+                k, v = k[max(0, n - window):], v[max(0, n - window):]
             qg = q[i].double().view(kvh, qh // kvh, hd)  # q head h belongs to kv head h // group
             s = torch.einsum("kgd,nkd->kgn", qg, k.double()) * scale
             out[i] = torch.einsum("kgn,nkd->kgd", torch.softmax(s, dim=-1), v.double()).reshape(qh, hd)
         return out
 
-    def eager(self, q, k_cache, v_cache, seq_lens, block_table, scale):
+    def eager(self, q, k_cache, v_cache, seq_lens, block_table, scale, window=0):
         # What a PyTorch user writes: gather the pages into a padded batch, mask by length, SDPA.
         if block_table is None:
             k, v = k_cache, v_cache
         else:
             k = k_cache[block_table].flatten(1, 2)  # [batch, max_blocks * block_size, kv, dim]
             v = v_cache[block_table].flatten(1, 2)
-        mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+        pos = torch.arange(k.shape[1], device=q.device)[None, :]
+        mask = pos < seq_lens[:, None]
+        if window > 0:
+            mask &= pos >= seq_lens[:, None] - window
         out = torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
             scale=scale, enable_gqa=True)

@@ -9,6 +9,9 @@ With num_splits == 1 pass 1 normalizes and writes the output itself and pass 2 i
 num_splits == 0 chooses the count per call from the shapes (auto_splits): many splits for a
 lone long sequence, one for a large batch, where a fixed count fits one end or the other.
 
+With a sliding window (decode_attention_swa: `window` > 0, a constexpr switch WINDOWED) the
+query attends the sequence's last `window` positions, and the splits share those tiles only.
+
 Paged caches are read through one block-table lookup per position, so any block size works
 with any BLOCK_N (a tile may cover part of a block or many blocks, SGLang's block size 1
 included); the block size is a constexpr, so the // and % are shifts for powers of two.
@@ -36,21 +39,24 @@ UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _split_kv_partial(Q, K, V, SEQ_LENS, BLOCK_TABLE, O, M_WS, L_WS, ACC_WS, scale_log2e,
+def _split_kv_partial(Q, K, V, SEQ_LENS, BLOCK_TABLE, O, M_WS, L_WS, ACC_WS, scale_log2e, window,
                       stride_qb, stride_qh, stride_kb, stride_kp, stride_kh,
                       stride_vb, stride_vp, stride_vh, stride_bt, stride_ob, stride_oh,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                       DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, WINDOWED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + seq)
     # Deal whole tiles to splits, so every tile but the sequence's last is full. A split whose
     # first tile starts past seq_len runs no iteration and writes the empty state (-inf, 0, 0).
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -152,7 +158,8 @@ def auto_splits(batch: int, kv_heads: int, positions: int, block_n: int, sms: in
 def build(num_splits: int, block_n: int, num_warps: int, num_stages: int):
     def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          seq_lens: torch.Tensor, block_table: torch.Tensor | None,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: int = 0) -> torch.Tensor:
+        """window > 0: the query attends the last `window` positions of its sequence."""
         batch, q_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
@@ -170,6 +177,7 @@ def build(num_splits: int, block_n: int, num_warps: int, num_stages: int):
             splits = num_splits
         else:
             positions = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+            positions = min(positions, window) if window > 0 else positions
             splits = auto_splits(batch, kv_heads, positions, block_n, _sm_count(q.device))
         group = q_heads // kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
@@ -185,13 +193,14 @@ def build(num_splits: int, block_n: int, num_warps: int, num_stages: int):
                                  device=q.device)
         _split_kv_partial[(batch, kv_heads, splits)](
             q, k_cache, v_cache, seq_lens, block_table if paged else seq_lens, out,
-            m_ws, l_ws, acc_ws, scale * LOG2E,
+            m_ws, l_ws, acc_ws, scale * LOG2E, window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0) if paged else 0, out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_N=block_n,
             NUM_SPLITS=splits, PAGED=paged, PAGE_SIZE=k_cache.shape[1] if paged else 1,
-            PRECISION=precision, UPCAST=UPCAST, num_warps=num_warps, num_stages=num_stages)
+            PRECISION=precision, UPCAST=UPCAST, WINDOWED=window > 0, num_warps=num_warps,
+            num_stages=num_stages)
         if splits > 1:
             _split_kv_combine[(batch, q_heads)](m_ws, l_ws, acc_ws, out, out.stride(0), out.stride(1),
                                                 HEAD_DIM=head_dim, DIM_PAD=dim_pad,

@@ -45,10 +45,14 @@ def lengths_for(shape: Shape) -> tuple[list[int], list[int]]:
     return q_lens, prefixes
 
 
-def _attend(q, k, v, prefix, scale, dtype):
-    """One sequence: q [n, qh, d] at positions prefix.., k and v [prefix + n, kvh, d]."""
+def _attend(q, k, v, prefix, scale, dtype, window):
+    """One sequence: q [n, qh, d] at positions prefix.., k and v [prefix + n, kvh, d]; window > 0:
+    position p attends p - window < j <= p only (prefill_attention_swa)."""
     n, total = q.shape[0], k.shape[0]
-    mask = torch.arange(total, device=q.device)[None, :] <= prefix + torch.arange(n, device=q.device)[:, None]
+    pos, q_pos = torch.arange(total, device=q.device)[None, :], prefix + torch.arange(n, device=q.device)[:, None]
+    mask = pos <= q_pos
+    if window > 0:
+        mask &= pos > q_pos - window
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(dtype).transpose(0, 1)[None], k.to(dtype).transpose(0, 1)[None],
         v.to(dtype).transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
@@ -113,25 +117,25 @@ class PrefillAttention(Op):
         return (q, caches[0], caches[1], cu, seq_lens, table.to(device=device, dtype=torch.int32),
                 hd ** -0.5)
 
-    def _per_sequence(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, dtype):
+    def _per_sequence(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, dtype, window):
         outs = []
         cu = cu_seqlens_q.tolist()
         for b, total in enumerate(seq_lens.tolist()):
             qb = q[cu[b]:cu[b + 1]]
             k = _gather(k_cache, block_table, b, total)
             v = _gather(v_cache, block_table, b, total)
-            outs.append(_attend(qb, k, v, total - qb.shape[0], scale, dtype))
+            outs.append(_attend(qb, k, v, total - qb.shape[0], scale, dtype, window))
         return torch.cat(outs)
 
-    def reference(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale):
+    def reference(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window=0):
         return self._per_sequence(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                                  torch.float64)
+                                  torch.float64, window)
 
-    def eager(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale):
+    def eager(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window=0):
         # What a PyTorch user writes: per sequence, gather its pages and call SDPA with a causal
         # mask offset by its prefix. The loop reads the lengths on the host (prefill only).
         return self._per_sequence(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale,
-                                  q.dtype).contiguous()
+                                  q.dtype, window).contiguous()
 
     def bytes(self, shape, dtype):
         d = shape.dims

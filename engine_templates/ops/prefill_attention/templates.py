@@ -5,6 +5,9 @@ without a sync, so every sequence gets as many query blocks as the whole batch h
 the programs past its own length return at once. Each program holds BLOCK_M query rows of one
 head and runs an online softmax over cache tiles of BLOCK_N positions up to its last row's
 position, reading the cache through one block-table lookup per position (any block size).
+With a sliding window (prefill_attention_swa: `window` > 0, a constexpr switch WINDOWED) the
+position p attends p - window < j <= p only, and a program's tiles start at its first row's
+window.
 As in decode_attention, Triton's CPU interpreter multiplies bf16 dot operands as raw bits, so
 under TRITON_INTERPRET the operands are upcast to float32 (UPCAST).
 """
@@ -21,12 +24,12 @@ UPCAST = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e,
+def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e, window,
                    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_vb, stride_vp, stride_vh, stride_bt, stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, WINDOWED: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(2)
     q_start = tl.load(CU_Q + seq)
@@ -51,8 +54,11 @@ def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
     end = tl.minimum(prefix + first + BLOCK_M, seq_len)  # causal: no key past the last row
+    start = 0
+    if WINDOWED:  # no key before the first row's window
+        start = tl.maximum(prefix + first - window + 1, 0)
     n = tl.arange(0, BLOCK_N)
-    for tile in range(0, end, BLOCK_N):
+    for tile in range(start, end, BLOCK_N):
         pos = tile + n
         p_mask = pos < end
         block = tl.load(BLOCK_TABLE + seq.to(tl.int64) * stride_bt + pos // PAGE_SIZE,
@@ -65,7 +71,11 @@ def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e,
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         s = tl.where(p_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if WINDOWED:
+            s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: position 0 is in every row's first tile
+        if WINDOWED:  # but a later row's window may start past this tile: then subtract 0, not -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -75,6 +85,8 @@ def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e,
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if WINDOWED:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len may see no key; they are not stored
     out = acc / l_i[:, None]
     tl.store(O + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(O.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])
@@ -83,7 +95,8 @@ def _flash_prefill(Q, K, V, CU_Q, SEQ_LENS, BLOCK_TABLE, O, scale_log2e,
 def build(block_m: int, block_n: int, num_warps: int, num_stages: int):
     def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                          block_table: torch.Tensor, scale: float) -> torch.Tensor:
+                          block_table: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+        """window > 0: each position attends its last `window` positions (itself included)."""
         total_q, q_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         batch = seq_lens.shape[0]
@@ -96,13 +109,13 @@ def build(block_m: int, block_n: int, num_warps: int, num_stages: int):
         out = torch.empty((total_q, q_heads, head_dim), dtype=q.dtype, device=q.device)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16/fp16
         _flash_prefill[(batch, triton.cdiv(total_q, block_m), q_heads)](
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, out, scale * LOG2E,
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, out, scale * LOG2E, window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
             out.stride(0), out.stride(1),
             GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1], PRECISION=precision,
-            UPCAST=UPCAST, num_warps=num_warps, num_stages=num_stages)
+            UPCAST=UPCAST, WINDOWED=window > 0, num_warps=num_warps, num_stages=num_stages)
         return out
 
     return prefill_attention
