@@ -141,10 +141,10 @@ def op_named(name: str, dtype: str = "bf16"):
 
 
 def shapes_fit(op, target) -> None:
-    """An op that cannot take this model (fused_moe on a dense preset, say) is a usage error."""
-    w = target.workload
+    """An op that cannot take this model (fused_moe on a dense preset, a vision op on a text model, say)
+    is a usage error."""
     try:
-        op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+        target.op_shapes(op)
     except ValueError as e:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
 

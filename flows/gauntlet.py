@@ -57,13 +57,18 @@ class Row:
 def target_for(case: Case, target: Target) -> Target:
     """The target a case runs on: the given one, with the case's stage time limit. An op whose
     shapes take the model's experts (fused_moe) gets, on a dense model, the mixture-of-experts
-    preset of its size class, so that one `--model` runs every op's cases."""
+    preset of its size class, and a vision op (on a text model) the vision preset of its size class
+    (and a text op on a vision model the text one), so that one `--model` runs every op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
     if case.dtype:  # the op's target of that dtype, at its own default tolerance
         update |= {"dtype": case.dtype, "rtol": None, "approval_rtol": None}
+    modality = get_op(case.op).modality
     moe = "tiny-moe" if is_tiny(target.model) else "qwen3-30b-a3b"
-    if not target.dims.is_moe and takes_experts(case.op, moe, target):
+    if modality != target.modality:  # a vision op's cases on the vision preset of the size class
+        update["model"] = ("sam3-tiny" if is_tiny(target.model) else "sam3") if modality == "vision" else (
+            "tiny" if is_tiny(target.model) else "qwen3-8b")
+    elif not target.dims.is_moe and takes_experts(case.op, moe, target):
         update["model"] = moe
     return target.model_copy(update=update)
 

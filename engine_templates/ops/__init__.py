@@ -1,5 +1,6 @@
-"""The op registry: every op the platform can optimize, by name, and the ops with an fp8 target
-(FP8 weights with block scales, judged against the full-precision op: ops/fp8.py)."""
+"""The op registry: every op the platform can optimize, by name — a language model's and a vision
+model's (`Op.modality`: layernorm, gelu, vision_attention) — and the ops with an fp8 target (FP8
+weights with block scales, judged against the full-precision op: ops/fp8.py)."""
 from __future__ import annotations
 
 from engine_templates.ops.base import Op
@@ -7,6 +8,8 @@ from engine_templates.ops.decode_attention import OP as _decode_attention
 from engine_templates.ops.fused_add_rmsnorm import OP as _fused_add_rmsnorm
 from engine_templates.ops.fused_moe import OP as _fused_moe
 from engine_templates.ops.fused_moe.fp8 import OP as _fused_moe_fp8
+from engine_templates.ops.gelu import OP as _gelu
+from engine_templates.ops.layernorm import OP as _layernorm
 from engine_templates.ops.linear import OP as _linear
 from engine_templates.ops.linear.fp8 import OP as _linear_fp8
 from engine_templates.ops.prefill_attention import OP as _prefill_attention
@@ -14,9 +17,11 @@ from engine_templates.ops.qk_norm_rope import OP as _qk_norm_rope
 from engine_templates.ops.rmsnorm import OP as _rmsnorm
 from engine_templates.ops.rope import OP as _rope
 from engine_templates.ops.silu_mul import OP as _silu_mul
+from engine_templates.ops.vision_attention import OP as _vision_attention
 
 OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul, _fused_add_rmsnorm, _decode_attention,
-                                             _rope, _qk_norm_rope, _prefill_attention, _fused_moe, _linear)}
+                                             _rope, _qk_norm_rope, _prefill_attention, _fused_moe, _linear,
+                                             _layernorm, _gelu, _vision_attention)}
 FP8_OPS: dict[str, Op] = {op.name: op for op in (_linear_fp8, _fused_moe_fp8)}
 
 
