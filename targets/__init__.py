@@ -282,7 +282,7 @@ class Target(BaseModel):
         one the model cannot take."""
         if op.modality != self.modality:
             raise ValueError(f"{op.name} is a {op.modality} op and {self.model} a {self.modality} model "
-                             f"(--model {'sam3 or sam3-tiny' if op.modality == 'vision' else 'a text preset'})")
+                             f"(--model {'sam3, sam3-tiny or a SAM 3 config' if op.modality == 'vision' else 'a text preset or config'})")
         return op.shapes(self.dims, *self.shape_lists)
 
     @property
