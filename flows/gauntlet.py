@@ -68,7 +68,7 @@ def target_for(case: Case, target: Target) -> Target:
     if modality != target.modality:  # a vision op's cases on the vision preset of the size class
         update["model"] = ("sam3-tiny" if is_tiny(target.model) else "sam3") if modality == "vision" else (
             "tiny" if is_tiny(target.model) else "qwen3-8b")
-    elif not target.dims.is_moe and takes_experts(case.op, moe, target):
+    elif modality == "text" and not target.dims.is_moe and takes_experts(case.op, moe, target):
         update["model"] = moe
     return target.model_copy(update=update)
 
