@@ -143,7 +143,7 @@ def test_ops_declare_their_persistent_arguments():
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
         "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}, "linear": {"weight"},
-        "layernorm": {"weight", "bias"}, "vision_attention": {"cos", "sin"}}
+        "layernorm": {"weight", "bias"}, "vision_attention": {"cos", "sin"}, "vision_linear": {"weight", "bias"}}
     from engine_templates.ops import FP8_OPS
 
     # an fp8 target's weights and their scales

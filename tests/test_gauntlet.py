@@ -112,7 +112,7 @@ def test_vision_op_cases_run_on_the_vision_preset_of_the_models_size_class():
     assert target_for(attention, TARGET).model == "sam3-tiny" and target_for(attention, Target(model="qwen3-8b")).model == "sam3"
     assert target_for(dense, Target(model="sam3-tiny")).model == "tiny"
     assert target_for(attention, Target(model="sam3-tiny")).model == "sam3-tiny"
-    for op in ("layernorm", "gelu", "vision_attention"):  # an honest rewrite, the template, a cheat, a mutation
+    for op in ("layernorm", "gelu", "vision_attention", "vision_linear"):  # an honest rewrite, the template, a cheat, a mutation
         cases = [c for c in CASES if c.op == op]
         assert {c.file or c.point for c in cases if c.honest and c.ci} >= {"honest_torch.py", "default"}, op
         assert {c.vector for c in cases if not c.honest and c.ci} >= {"wrong answer", "input mutation"}, op

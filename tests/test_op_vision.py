@@ -1,4 +1,4 @@
-"""The vision ops (layernorm, gelu, vision_attention): each oracle against a hand computation or
+"""The vision ops (layernorm, gelu, vision_attention, vision_linear): each oracle against a hand computation or
 transformers' own SAM 3 code, the eager baseline, template points through the harness's own check
 (Triton's interpreter on a CPU), shapes from the vision presets, and the roofline counts."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from harness.checks import check_call, rel_error  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 TINY, REAL = SAM3_PRESETS["sam3-tiny"], SAM3_PRESETS["sam3"]
-LN, GELU, ATTN = get_op("layernorm"), get_op("gelu"), get_op("vision_attention")
+LN, GELU, ATTN, VLIN = get_op("layernorm"), get_op("gelu"), get_op("vision_attention"), get_op("vision_linear")
 
 
 def draw(op, shape, dtype=torch.bfloat16, seed=0, dist="normal"):
@@ -37,8 +37,8 @@ def far(template):
 
 
 def test_registered_as_vision_ops():
-    assert {op.name for op in (LN, GELU, ATTN)} == {"layernorm", "gelu", "vision_attention"}
-    assert all(op.modality == "vision" for op in (LN, GELU, ATTN)) and get_op("rmsnorm").modality == "text"
+    assert {op.name for op in (LN, GELU, ATTN, VLIN)} == {"layernorm", "gelu", "vision_attention", "vision_linear"}
+    assert all(op.modality == "vision" for op in (LN, GELU, ATTN, VLIN)) and get_op("rmsnorm").modality == "text"
     assert ATTN.arg_names == ["q", "k", "v", "cos", "sin", "scale"] and ATTN.persistent == ("cos", "sin")
     assert LN.persistent == ("weight", "bias")
 
@@ -55,6 +55,9 @@ def test_shapes_come_from_the_presets_dims_and_images_per_batch():
     assert [(s.label, s.dims["seqs"], s.dims["side"]) for s in ATTN.shapes(TINY, [2])] == [
         ("window_i2", 18, 4), ("global_i2", 2, 10)]
     assert LN.shapes(TINY, [3])[0].dims == {"tokens": 300, "hidden": 48}
+    assert [(s.label, s.dims) for s in VLIN.shapes(REAL, [1])] == [
+        ("qkv_images_1", {"tokens": 5184, "in": 1024, "out": 3072}), ("o_images_1", {"tokens": 5184, "in": 1024, "out": 1024}),
+        ("fc1_images_1", {"tokens": 5184, "in": 1024, "out": 4736}), ("fc2_images_1", {"tokens": 5184, "in": 4736, "out": 1024})]
 
 
 def test_layernorm_reference_matches_a_hand_computation():
@@ -111,7 +114,7 @@ def check_shapes(op):
     return op.shapes(TINY, [1, 2]) + op.odd_shapes(TINY)
 
 
-@pytest.mark.parametrize("op", [LN, GELU, ATTN], ids=lambda op: op.name)
+@pytest.mark.parametrize("op", [LN, GELU, ATTN, VLIN], ids=lambda op: op.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_eager_matches_reference(op, dtype):
     for i, shape in enumerate(check_shapes(op)):
@@ -119,7 +122,7 @@ def test_eager_matches_reference(op, dtype):
         assert rel_error(op.eager(*args), op.reference(*args)) < RTOL[dtype], shape.label
 
 
-CASES = [(op, point) for op in (LN, GELU, ATTN) for t in op.templates.values() for point in (t.default, far(t))]
+CASES = [(op, point) for op in (LN, GELU, ATTN, VLIN) for t in op.templates.values() for point in (t.default, far(t))]
 CASES += [(LN, {"block_n": 256, "rows_per_program": 2, "num_warps": 2, "num_stages": 1}),  # chunked rows
           (ATTN, {"block_m": 16, "block_n": 32, "num_warps": 2, "num_stages": 1})]  # several key tiles
 
@@ -151,6 +154,8 @@ def test_the_oracle_tells_the_ops_from_their_near_misses():
     assert not check_call(ATTN, plain, args, q.dtype, DEVICE, 1e-2).ok
     half = torch.cat((cos[:, 0::2], cos[:, 1::2]), -1), torch.cat((sin[:, 0::2], sin[:, 1::2]), -1)
     assert rel_error(ATTN.reference(q, k, v, *half, scale), ATTN.reference(*args)) > 0.1
+    x, w, b = draw(VLIN, VLIN.shapes(TINY, [1])[0])
+    assert not check_call(VLIN, lambda *a: torch.nn.functional.linear(x, w), (x, w, b), x.dtype, DEVICE, 1e-2).ok
 
 
 def test_bytes_and_flops():
@@ -162,3 +167,5 @@ def test_bytes_and_flops():
     t = 5184
     assert ATTN.bytes(a, torch.bfloat16) == 4 * t * 1024 * 2 + 2 * t * 64 * 4
     assert ATTN.flops(a) == 16 * 64 * (4 * t * t + 6 * t)
+    lin = Shape("s", {"tokens": 2, "in": 8, "out": 4})
+    assert VLIN.bytes(lin, torch.bfloat16) == (16 + 32 + 4 + 8) * 2 and VLIN.flops(lin) == 2 * 2 * 8 * 4 + 8

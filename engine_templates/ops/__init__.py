@@ -1,5 +1,5 @@
 """The op registry: every op the platform can optimize, by name — a language model's and a vision
-model's (`Op.modality`: layernorm, gelu, vision_attention) — and the ops with an fp8 target (FP8
+model's (`Op.modality`: layernorm, gelu, vision_attention, vision_linear) — and the ops with an fp8 target (FP8
 weights with block scales, judged against the full-precision op: ops/fp8.py)."""
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from engine_templates.ops.rmsnorm import OP as _rmsnorm
 from engine_templates.ops.rope import OP as _rope
 from engine_templates.ops.silu_mul import OP as _silu_mul
 from engine_templates.ops.vision_attention import OP as _vision_attention
+from engine_templates.ops.vision_linear import OP as _vision_linear
 
 OPS: dict[str, Op] = {op.name: op for op in (_rmsnorm, _silu_mul, _fused_add_rmsnorm, _decode_attention,
                                              _rope, _qk_norm_rope, _prefill_attention, _fused_moe, _linear,
-                                             _layernorm, _gelu, _vision_attention)}
+                                             _layernorm, _gelu, _vision_attention, _vision_linear)}
 FP8_OPS: dict[str, Op] = {op.name: op for op in (_linear_fp8, _fused_moe_fp8)}
 
 
