@@ -10,6 +10,7 @@
 # The hard limit counts from the start of `infersmith optimize`, which on a fresh host spends ~60 s
 # before its flow starts (Prefect's server): keep HARD_MARGIN at 100 or more.
 # EXTRA: more `infersmith optimize` options, e.g. EXTRA="--decode-batches 1,32".
+# The vision ops run on their own model: MODELS=sam3 OPS="vision_linear vision_attention layernorm gelu".
 set -uo pipefail
 out=${OUT:?set OUT to a folder for the results}
 mkdir -p "$out"

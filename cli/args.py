@@ -50,7 +50,7 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--model", default="qwen3-8b" if kernel else None,
                    help="model preset (see `infersmith ops`), or a model's config.json or the directory holding it "
-                        "(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral); default " +
+                        "(llama, mistral, qwen2, qwen3, qwen3_moe, mixtral; sam3, a vision model); default " +
                         ("qwen3-8b" if kernel else "--model-dir where it is on this machine, else qwen3-8b"))
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
                    help="fp8: FP8 (e4m3) weights with bf16 activations, judged against the bf16 model"
@@ -62,6 +62,8 @@ def add_target_options(p: argparse.ArgumentParser, kernel: bool = True) -> None:
         g.add_argument("--decode-batches", type=ints, help="e.g. 1,8,32,128 (default from the preset)")
         g.add_argument("--prefill-tokens", type=ints, help="e.g. 2048,16384")
         g.add_argument("--contexts", type=ints, help="attention context lengths, e.g. 4096,32768")
+        g.add_argument("--images", type=ints, help="images per batch of a vision model, e.g. 1,8 (default from "
+                                                   "the preset)")
         g.add_argument("--rtol", type=float, help="relative-error tolerance (default per dtype)")
         g.add_argument("--approval-rtol", type=float, help="a looser tolerance: a candidate over --rtol but within "
                        "this waits for a person's approval in the Prefect UI (default: none, it fails)")
@@ -99,7 +101,7 @@ def target_of(args, candidates: int = 1, wall_clock: float = 3600.0, plateau: in
         data |= {"rtol": args.rtol, "seeds": args.seeds, "approval_rtol": args.approval_rtol,
                  "approval_timeout_s": args.approval_timeout}
         data["budget"] |= {f"{stage}_timeout_s": seconds for stage, seconds in args.stage_limit}
-        workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts")
+        workload = {k: getattr(args, k) for k in ("decode_batches", "prefill_tokens", "contexts", "images")
                     if getattr(args, k) is not None}
         if workload:
             base = TINY_WORKLOAD if is_tiny(args.model) else Workload()
@@ -141,10 +143,10 @@ def op_named(name: str, dtype: str = "bf16"):
 
 
 def shapes_fit(op, target) -> None:
-    """An op that cannot take this model (fused_moe on a dense preset, say) is a usage error."""
-    w = target.workload
+    """An op that cannot take this model (fused_moe on a dense preset, a vision op on a text model, say)
+    is a usage error."""
     try:
-        op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+        target.op_shapes(op)
     except ValueError as e:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
 

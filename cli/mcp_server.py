@@ -75,9 +75,8 @@ def build_server(target: Target, pool: Pool, budget: SessionBudget | None = None
             spec = get_op(op, target.dtype)
         except KeyError as e:
             raise ToolError(e.args[0]) from None
-        w = target.workload
         try:
-            spec.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+            target.op_shapes(spec)
         except ValueError as e:
             raise ToolError(f"{op} on {target.model}: {e}") from None
         return spec

@@ -21,13 +21,15 @@ from cli.llm import add_llm_options, llm_settings
 def cmd_ops(args) -> int:
     from engine_templates.models import ARCHITECTURES, PRESETS
     from engine_templates.ops import OPS
+    from engine_templates.vision import ARCH, SAM3_PRESETS
 
     for op in OPS.values():
-        print(f"{op.signature}\n    {op.summary}")
+        print(f"{op.signature}{'  (vision)' if op.modality == 'vision' else ''}\n    {op.summary}")
         for t in op.templates.values():
             print(f"    template {t.name}: {t.size()} points over {', '.join(t.space)}")
     print("model presets: " + ", ".join(PRESETS))
-    print("or --model a config.json (or its directory) of: " + ", ".join(ARCHITECTURES))
+    print("vision model presets (the vision ops): " + ", ".join(SAM3_PRESETS))
+    print("or --model a config.json (or its directory) of: " + ", ".join([*ARCHITECTURES, ARCH]))
     return 0
 
 

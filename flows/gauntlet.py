@@ -57,14 +57,20 @@ class Row:
 def target_for(case: Case, target: Target) -> Target:
     """The target a case runs on: the given one, with the case's stage time limit. An op whose
     shapes take the model's experts (fused_moe) gets, on a dense model, the mixture-of-experts
-    preset of its size class, and one whose shapes take a sliding window (the *_swa ops), on a
-    model without one, the windowed preset: so that one `--model` runs every op's cases."""
+    preset of its size class, one whose shapes take a sliding window (the *_swa ops), on a model
+    without one, the windowed preset, and a vision op (on a text model) the vision preset of its
+    size class (and a text op on a vision model the text one): so that one `--model` runs every
+    op's cases."""
     timeout = case.timeout_s or target.budget.stage_timeout_s
     update = {"budget": target.budget.model_copy(update={"stage_timeout_s": timeout})}
     if case.dtype:  # the op's target of that dtype, at its own default tolerance
         update |= {"dtype": case.dtype, "rtol": None, "approval_rtol": None}
+    modality = get_op(case.op).modality
     moe, windowed = ("tiny-moe", "tiny-swa") if is_tiny(target.model) else ("qwen3-30b-a3b", "mistral-7b-v0.1")
-    if not target.dims.is_moe or target.dims.sliding_window is None:
+    if modality != target.modality:  # a vision op's cases on the vision preset of the size class
+        update["model"] = ("sam3-tiny" if is_tiny(target.model) else "sam3") if modality == "vision" else (
+            "tiny" if is_tiny(target.model) else "qwen3-8b")
+    elif modality == "text" and (not target.dims.is_moe or target.dims.sliding_window is None):
         dims = shape_dims(case.op, moe, windowed, target)
         if not target.dims.is_moe and "experts" in dims:
             update["model"] = moe

@@ -38,10 +38,9 @@ class SweepPlan(BaseModel):
     def _ops_fit_targets(self) -> SweepPlan:
         # fused_moe on a dense preset, say: refused now rather than one failed subflow at night
         for i, target in enumerate(self.targets):
-            w = target.workload
             for op in self.ops:
                 try:
-                    get_op(op).shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+                    target.op_shapes(get_op(op))
                 except ValueError as e:
                     raise ValueError(f"targets[{i}] ({target.model}) cannot take {op}: {e}") from None
         return self

@@ -153,9 +153,9 @@ def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: C
     published knowledge entries for the op and that class, and the published winners of the
     nearest targets (tracking.knowledge.for_code)."""
     op = get_op(op_name, target.dtype)
-    w, dtype = target.workload, activation_dtype(target.dtype)
+    dtype = activation_dtype(target.dtype)
     shapes = []
-    for s in op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts):
+    for s in target.op_shapes(op):
         nbytes, flops = op.bytes(s, dtype), op.flops(s)
         shapes.append(ShapeInfo(s.label, dict(s.dims), nbytes, flops,
                                 ceilings.roofline_us(nbytes, flops) if ceilings else None))

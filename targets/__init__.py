@@ -21,10 +21,10 @@ from pydantic import (
 
 from contract.job import Rules, Shape
 from contract.serve import AccuracyRules, Pattern
-from engine_templates.hf_config import model_dims
-from engine_templates.models import PRESETS, ModelDims
+from engine_templates.models import ModelDims
+from engine_templates.vision import Sam3Dims, target_dims
 from targets.held_out import held_out_shapes
-from targets.model import ModelName, is_tiny
+from targets.model import ALL_PRESETS, ModelName, is_tiny
 
 if TYPE_CHECKING:  # the ops import torch, which a controller that only reads a target need not
     from engine_templates.ops.base import Op
@@ -47,15 +47,18 @@ DEFAULT_RTOL = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4, "fp8": 0.15}
 
 
 class Workload(BaseModel):
-    """The shapes that matter: decode batch sizes, prefill token counts, attention contexts."""
+    """The shapes that matter: decode batch sizes, prefill token counts, attention contexts; for a
+    vision model, images per batch."""
 
     model_config = ConfigDict(extra="forbid")
     decode_batches: list[PositiveInt] = Field(default=[1, 8, 32, 128], min_length=1)
     prefill_tokens: list[PositiveInt] = Field(default=[2048, 16384])
     contexts: list[PositiveInt] = Field(default=[4096, 32768], min_length=1)
+    images: list[PositiveInt] = Field(default=[1, 8], min_length=1,
+                                      description="images per batch (a vision model's only axis)")
 
 
-TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48])
+TINY_WORKLOAD = Workload(decode_batches=[1, 4], prefill_tokens=[40], contexts=[48], images=[1, 2])
 
 
 class HeldOut(BaseModel):
@@ -257,15 +260,36 @@ class Target(BaseModel):
         return self
 
     @property
-    def dims(self) -> ModelDims:
+    def dims(self) -> ModelDims | Sam3Dims:
         """The preset's, or the config's as it is now."""
-        return model_dims(self.model)
+        return target_dims(self.model)
+
+    @property
+    def modality(self) -> str:
+        """"vision" for a vision model (engine_templates/vision.py), else "text": the ops' kind it takes."""
+        return "vision" if isinstance(self.dims, Sam3Dims) else "text"
+
+    @property
+    def shape_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """The workload as an op's `shapes` takes it: a vision op's batch list is images per batch."""
+        w = self.workload
+        if self.modality == "vision":
+            return list(w.images), [], []
+        return list(w.decode_batches), list(w.prefill_tokens), list(w.contexts)
+
+    def op_shapes(self, op: Op) -> list[Shape]:
+        """The op's shapes on this target; ValueError (one line) for an op of the other modality or
+        one the model cannot take."""
+        if op.modality != self.modality:
+            raise ValueError(f"{op.name} is a {op.modality} op and {self.model} a {self.modality} model "
+                             f"(--model {'sam3, sam3-tiny or a SAM 3 config' if op.modality == 'vision' else 'a text preset or config'})")
+        return op.shapes(self.dims, *self.shape_lists)
 
     @property
     def model_key(self) -> str:
         """The model as keys compare it: a preset's name, or a config's architecture and digest
         (two paths to one config are one model; an edited config is another)."""
-        return self.model if self.model in PRESETS else f"{self.architecture}-{self.config_sha256[:12]}"
+        return self.model if self.model in ALL_PRESETS else f"{self.architecture}-{self.config_sha256[:12]}"
 
     @property
     def tolerance(self) -> float:
@@ -283,13 +307,13 @@ class Target(BaseModel):
     def held_out_shapes(self, op: Op) -> list[Shape]:
         """One run's held-out shapes of `op` (targets/held_out.py): from `held_out.seed`, else drawn afresh."""
         seed = self.held_out.seed if self.held_out.seed is not None else secrets.randbits(64)
-        w = self.workload
-        return held_out_shapes(op, self.dims, w.decode_batches, w.prefill_tokens, w.contexts,
-                               self.held_out.per_list, random.Random(seed))
+        return held_out_shapes(op, self.dims, *self.shape_lists, self.held_out.per_list, random.Random(seed))
 
     def key(self) -> str:
         """What makes two runs comparable: same model, dtype and shapes."""
         w = self.workload
+        if self.modality == "vision":
+            return f"{self.model_key}/{self.dtype}/i{'-'.join(map(str, w.images))}"
         return (f"{self.model_key}/{self.dtype}/d{'-'.join(map(str, w.decode_batches))}"
                 f"/p{'-'.join(map(str, w.prefill_tokens))}/c{'-'.join(map(str, w.contexts))}")
 

@@ -58,8 +58,7 @@ def jobs_for(candidate: Candidate, target: Target, slot: Slot, held_out: Sequenc
     target's (their baselines measured with the others', once a flow: gpu_pool/baselines.py); by
     the target's rules or `rules`."""
     op = get_op(candidate.op, target.dtype)
-    w = target.workload
-    shapes = op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
+    shapes = target.op_shapes(op)
     odd = op.odd_shapes(target.dims)
     rules = rules or rules_on(target, slot)
     device = "cpu" if slot.gpu is None else "cuda"

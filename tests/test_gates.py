@@ -142,7 +142,8 @@ def test_ops_declare_their_persistent_arguments():
         assert set(op.persistent) <= set(op.arg_names), op.name
     assert {name: set(op.persistent) for name, op in OPS.items() if op.persistent} == {
         "rmsnorm": {"weight"}, "fused_add_rmsnorm": {"weight"}, "rope": {"cos_sin"},
-        "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}, "linear": {"weight"}}
+        "qk_norm_rope": {"q_norm", "k_norm", "cos_sin"}, "fused_moe": {"w_gate_up", "w_down"}, "linear": {"weight"},
+        "layernorm": {"weight", "bias"}, "vision_attention": {"cos", "sin"}, "vision_linear": {"weight", "bias"}}
     from engine_templates.ops import FP8_OPS
 
     # an fp8 target's weights and their scales

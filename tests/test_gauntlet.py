@@ -116,6 +116,18 @@ def test_fused_moe_cases_run_on_the_moe_preset_of_the_models_size_class():
     assert target_for(moe, Target(model="qwen3-30b-a3b")).model == "qwen3-30b-a3b"
 
 
+def test_vision_op_cases_run_on_the_vision_preset_of_the_models_size_class():
+    attention = next(c for c in CASES if c.op == "vision_attention")
+    dense = next(c for c in CASES if c.op == "rmsnorm")
+    assert target_for(attention, TARGET).model == "sam3-tiny" and target_for(attention, Target(model="qwen3-8b")).model == "sam3"
+    assert target_for(dense, Target(model="sam3-tiny")).model == "tiny"
+    assert target_for(attention, Target(model="sam3-tiny")).model == "sam3-tiny"
+    for op in ("layernorm", "gelu", "vision_attention", "vision_linear"):  # an honest rewrite, the template, a cheat, a mutation
+        cases = [c for c in CASES if c.op == op]
+        assert {c.file or c.point for c in cases if c.honest and c.ci} >= {"honest_torch.py", "default"}, op
+        assert {c.vector for c in cases if not c.honest and c.ci} >= {"wrong answer", "input mutation"}, op
+
+
 def test_table_marks_a_wrong_verdict():
     from contract.verdict import Verdict
     from flows.gauntlet import Row

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -34,32 +35,33 @@ def rmsnorm(x, weight, eps):
 
 
 def _fits(op, target):
-    w = target.workload
     try:
-        return op.shapes(target.dims, w.decode_batches, w.prefill_tokens, w.contexts)
-    except ValueError:  # fused_moe on a dense preset, a window op on a preset without a window
+        return target.op_shapes(op)
+    except ValueError:  # fused_moe on a dense preset, a window op on a preset without a window, an op of the other modality
         return None
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "tiny-swa", "qwen3-8b", "qwen3-30b-a3b", "mistral-7b-v0.1"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe", "tiny-swa", "qwen3-8b", "qwen3-30b-a3b", "mistral-7b-v0.1",
+                                   "sam3-tiny", "sam3"])
 def test_held_out_shapes_are_other_sizes_of_the_targets_range(model):
     target = Target(model=model)
-    w = target.workload
     for op in OPS.values():
         shown = _fits(op, target)
         if shown is None:
             continue
-        held = held_out_shapes(op, target.dims, w.decode_batches, w.prefill_tokens, w.contexts, 1, random.Random(5))
+        held = held_out_shapes(op, target.dims, *target.shape_lists, 1, random.Random(5))
         assert held, op.name
         known = [s.dims for s in [*shown, *op.odd_shapes(target.dims)]]
         for s in held:
             assert s.label.startswith(PREFIX) and s.dims not in known, (op.name, s)
             assert set(s.dims) == set(shown[0].dims), (op.name, s)  # the same kind of shape, other sizes
+            if target.modality == "vision":  # sizes are image counts: at most the greatest shown (or 7)
+                assert int(re.search(r"\d+$", s.label).group()) <= max(*target.workload.images, 7), (op.name, s)
+                continue
             for name in ("tokens", "batch", "context", "q_len"):
                 if name in s.dims:
                     assert s.dims[name] <= max(max(d.get(name, 0) for d in known), 7), (op.name, s)
-        again = held_out_shapes(op, target.dims, w.decode_batches, w.prefill_tokens, w.contexts, 1,
-                                random.Random(5))
+        again = held_out_shapes(op, target.dims, *target.shape_lists, 1, random.Random(5))
         assert again == held  # a seed draws the same shapes
 
 
@@ -74,11 +76,11 @@ def test_sizes_are_odd_unshown_and_in_range():
     assert len(draws) > 1
 
 
-@pytest.mark.parametrize("model", ["tiny-moe", "tiny-swa"])
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-swa", "sam3-tiny"])
 def test_every_tiny_op_runs_its_reference_on_its_held_out_shapes(model):
     target = Target(model=model, dtype="fp32", held_out={"seed": 11})
     for op in OPS.values():
-        if _fits(op, target) is None:  # fused_moe on tiny-swa, the window ops on tiny-moe
+        if _fits(op, target) is None:  # fused_moe on tiny-swa, the window ops on tiny-moe, the other modality
             continue
         for shape in target.held_out_shapes(op):
             args = op.inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(0), "normal")

@@ -15,6 +15,7 @@ from cli.main import main
 from engine_templates.engine.config import ModelConfig
 from engine_templates.engine.random_checkpoint import SPECIAL, write_random_checkpoint
 from engine_templates.models import PRESETS
+from engine_templates.vision import SAM3_PRESETS
 
 
 def run(capsys, *argv):
@@ -118,7 +119,7 @@ def test_usage_errors_are_one_line(capsys, tmp_path):
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "tiny", "--out", str(out))
     assert code == 2 and err == f"infersmith: --out {out} is not empty (--force writes over its checkpoint)\n"
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "qwen4", "--out", str(tmp_path / "new"))
-    assert code == 2 and err == (f"infersmith: 'qwen4' is neither a model preset ({', '.join(PRESETS)}) nor a "
+    assert code == 2 and err == (f"infersmith: 'qwen4' is neither a model preset ({', '.join([*PRESETS, *SAM3_PRESETS])}) nor a "
                                  f"model's config.json (no such file or directory)\n")
     code, _, err = run(capsys, "engine", "random-checkpoint", "--preset", "tiny", "--layers", "0",
                        "--out", str(tmp_path / "new"))

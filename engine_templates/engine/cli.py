@@ -68,9 +68,10 @@ def add_commands(sub) -> None:
     c = sub.add_parser("random-checkpoint", help="write an HF-format model directory with random bf16 "
                                                  "weights at a preset's or a config's shape and a tokenizer for them")
     which = c.add_mutually_exclusive_group(required=True)
-    which.add_argument("--preset", help="the model preset whose shape it has, e.g. qwen3-8b or llama-3.1-8b")
+    which.add_argument("--preset", help="the model preset whose shape it has, e.g. qwen3-8b, llama-3.1-8b, or "
+                                        "sam3 (a vision model: transformers' Sam3Model as it initialises itself)")
     which.add_argument("--config", help="a model's config.json (or its directory) whose architecture and shape "
-                                        "it has")
+                                        "it has (a SAM 3 one too)")
     c.add_argument("--out", required=True, type=Path, help="the model directory to write")
     c.add_argument("--seed", type=int, default=0, help="the weights' seed (`engine bench --seed` draws the same)")
     c.add_argument("--device", help="where the weights are drawn: cuda or cpu (default: cuda when available)")

@@ -8,6 +8,10 @@ at a time, into safetensors shards of at most ~4 GB with HF's model.safetensors.
 host holds at most a shard and its serialisation; a byte-level BPE tokenizer trained here on a
 little English, padded with plain added tokens up to the model's vocabulary so that every id the
 random model emits decodes to text, and Qwen's ChatML chat template.
+
+A vision model (a SAM 3 preset or config, engine_templates/vision.py) is transformers' Sam3Model as
+its own initialisation draws it from the seed, in bf16, written by save_pretrained (config.json and
+safetensors); no tokenizer or image processor.
 """
 from __future__ import annotations
 
@@ -165,9 +169,13 @@ def write_random_checkpoint(model: str, out: Path, seed: int = 0, device: str | 
     from engine_templates.engine.loader import checkpoint_entries, random_tensors
     from engine_templates.engine.model import DecoderModel
     from engine_templates.hf_config import ConfigError, model_dims
+    from engine_templates.vision import is_vision_model, target_dims
 
     start = time.perf_counter()
     try:
+        if is_vision_model(model):
+            return _write_random_sam3(model, out, seed, device, layers, force, log)
+        target_dims(model)  # the error of an unknown name lists the vision presets too
         dims = full = model_dims(model)
     except ConfigError as e:
         raise EngineSetupError(str(e)) from None
@@ -176,11 +184,7 @@ def write_random_checkpoint(model: str, out: Path, seed: int = 0, device: str | 
             raise EngineSetupError(f"--layers must be at least 1, got {layers}")
         dims = dataclasses.replace(dims, layers=layers)
     device = pick_device(device)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise EngineSetupError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise EngineSetupError(f"--out {out} is not empty (--force writes over its checkpoint)")
+    out = _writable(Path(out), force)
     cfg = ModelConfig.from_preset(dims)
     dtype = torch.bfloat16
     shapes = DecoderModel(cfg, None, None, dtype, "meta").weights()
@@ -229,4 +233,44 @@ def write_random_checkpoint(model: str, out: Path, seed: int = 0, device: str | 
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     params = sum(t.numel() for t in shapes.values())
     return {"model": model, "parameters": params, "bytes": total, "shards": len(shards),
+            "seconds": time.perf_counter() - start, "path": str(out)}
+
+
+def _writable(out: Path, force: bool) -> Path:
+    if out.exists() and not out.is_dir():
+        raise EngineSetupError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise EngineSetupError(f"--out {out} is not empty (--force writes over its checkpoint)")
+    return out
+
+
+def _write_random_sam3(model: str, out: Path, seed: int, device: str | None, layers: int | None, force: bool,
+                       log: Callable[[str], None]) -> dict:
+    """A SAM 3 directory: transformers' Sam3Model at the preset's or config's shape, its weights as
+    the model's own initialisation draws them from `seed` (on `device`), saved in bf16."""
+    from transformers import Sam3Model
+    from transformers.utils import logging as hf_logging
+
+    from engine_templates.vision import sam3_hf_config
+
+    hf_logging.disable_progress_bar()  # the log lines below say what it writes
+
+    if layers is not None:
+        raise EngineSetupError("--layers is for a language model; a vision model's checkpoint has all its layers")
+    start = time.perf_counter()
+    cfg = sam3_hf_config(model)
+    device = pick_device(device)
+    out = _writable(Path(out), force)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        net = Sam3Model(cfg).to(torch.bfloat16).eval()
+    params = sum(p.numel() for p in net.parameters())
+    total = sum(p.numel() * p.element_size() for p in net.parameters())
+    log(f"{model} (sam3): {human_size(total)} of random bf16 weights drawn on {device} (seed {seed}) -> {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(out.glob("*.safetensors")) + sorted(out.glob("*.safetensors.index.json")):
+        f.unlink()  # stale shards of another shape would be read with the new ones
+    net.save_pretrained(out, max_shard_size=MAX_SHARD_BYTES)
+    shards = len(list(out.glob("*.safetensors")))
+    return {"model": model, "parameters": params, "bytes": total, "shards": shards,
             "seconds": time.perf_counter() - start, "path": str(out)}

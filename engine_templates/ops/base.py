@@ -102,6 +102,9 @@ class Op(ABC):
     # from them; everything else (activations, the KV cache, lengths, block tables, router
     # logits) changes every step, and the harness's caching probe refills it in place.
     persistent: tuple[str, ...] = ()
+    # "vision": an op of a vision model, whose `shapes` take its dims (engine_templates/vision.py) and
+    # whose batch list is images per batch (the other two lists empty); "text": a language model's.
+    modality: str = "text"
 
     @abstractmethod
     def shapes(self, model: ModelDims, decode_batches: list[int], prefill_tokens: list[int],
