@@ -38,6 +38,12 @@ PRESETS = {"sam3-tiny": tiny_config, "sam3": dict}
 # confidently in or out. The mask embedder's last layer is scaled so that they spread over several
 # units either side of 0, as a trained model's do, and the accuracy gate sees both kinds of pixel.
 MASK_LOGIT_GAIN = 3000.0
+# Likewise its ViT's attention is near uniform (q.k of about 1e-3) and adds little to the residual
+# stream: blind to positions. Its query and key projections are scaled so that attention picks
+# out neighbours, and its value and output projections so that what it picks counts, as in a
+# trained ViT.
+ATTENTION_GAIN = 12.0
+VALUE_GAIN = 6.0
 
 
 def write_random_checkpoint(preset: str, out: Path, seed: int = 0) -> Path:
@@ -58,6 +64,11 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0) -> Path:
     model = Sam3Model(config).eval()
     with torch.no_grad():
         model.mask_decoder.mask_embedder.layers[-1].weight.mul_(MASK_LOGIT_GAIN)
+        for layer in model.vision_encoder.backbone.layers:
+            layer.attention.q_proj.weight.mul_(ATTENTION_GAIN)
+            layer.attention.k_proj.weight.mul_(ATTENTION_GAIN)
+            layer.attention.v_proj.weight.mul_(VALUE_GAIN)
+            layer.attention.o_proj.weight.mul_(VALUE_GAIN)
     model.save_pretrained(out)
     vocab = config.text_config.vocab_size
     train_tokenizer(out, bpe_vocab=min(600, vocab), pad_to=vocab)

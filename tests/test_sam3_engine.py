@@ -1,0 +1,133 @@
+"""The SAM 3 engine on the sam3-tiny random checkpoint, on a CPU: its answers against
+transformers' model, its batching and prompt cache, and the image accuracy gate that fails a
+planted kernel error and passes the honest engine."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from contract.images import ImageAccuracyRules
+from engine_templates.engine.config import KernelSpec
+from engine_templates.sam3_engine.config import write_random_checkpoint
+from engine_templates.sam3_engine.images import PromptTokenizer, decode_image, pixel_values, reply
+from engine_templates.sam3_engine.model import Image, Sam3Engine, load_model, split
+from engine_templates.sam3_engine.ops import Sam3Kernels
+from harness.serve.images import image_set, judge, mask_agreement
+
+CANDIDATES = Path(__file__).parent / "sam3_candidates"
+RULES = ImageAccuracyRules(held_out=3, prompts_per_image=3)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_random_checkpoint("sam3-tiny", tmp_path_factory.mktemp("sam3") / "sam3-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers' model in float32, called as a user calls it: one image and prompt a forward."""
+    model = load_model(checkpoint, "fp32", "cpu", attention="eager")
+    tok = PromptTokenizer(checkpoint, 0)
+
+    def answer(image: Image):
+        outs = []
+        with torch.inference_mode():
+            for p in image.prompts:
+                ids, mask = tok(p)
+                outs += split(model(pixel_values=image.pixels[None], input_ids=torch.tensor([ids]),
+                                    attention_mask=torch.tensor([mask])), [1])[0]
+        return outs
+    return answer
+
+
+def _held_out(seed: int = 7):
+    return image_set(RULES, random.Random(seed))
+
+
+def _answers(answer_images, held_out, raw_queries=None) -> list[dict]:
+    """Each image's answer as the HTTP API gives it, raw outputs included."""
+    decoded = [decode_image(b64) for b64, _ in held_out]
+    images = [Image(pixel_values(im, 112), prompts) for im, (_, prompts) in zip(decoded, held_out)]
+    outs = answer_images(images)
+    answers = []
+    for k, (im, image, out) in enumerate(zip(decoded, images, outs)):
+        queries = None if raw_queries is None else sorted({q for r in raw_queries[k]["results"]
+                                                           for q in r["raw"]["queries"]})
+        answers.append({"results": [reply(p, o, im.width, im.height, 0.3, raw=True, raw_queries=queries)
+                                    for p, o in zip(image.prompts, out)]})
+    return answers
+
+
+def _engine(checkpoint, dtype="fp32", **kernels) -> Sam3Engine:
+    specs = {op: KernelSpec(impl="free", path=str(CANDIDATES / f"{name}.py")) for op, name in kernels.items()}
+    return Sam3Engine(checkpoint, dtype, "cpu", Sam3Kernels(specs))
+
+
+def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference):
+    engine = _engine(checkpoint)
+    held = _held_out()
+    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in held]
+    got = engine.segment(images)  # every image and prompt in one batched step
+    for image, outs in zip(images, got):
+        for mine, theirs in zip(outs, reference(image)):
+            assert torch.allclose(mine.scores, theirs.scores, atol=1e-5)
+            assert torch.allclose(mine.boxes, theirs.boxes, atol=1e-5)
+            assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
+    assert engine.largest_batch == len(images)
+    # the masks are not trivially 0: both confident and unconfident pixels occur
+    logits = got[0][0].mask_logits
+    assert 0.05 < (logits.abs() > RULES.mask_margin).float().mean() < 0.95
+
+
+def test_prompt_embeddings_are_cached_per_prompt(checkpoint):
+    engine = _engine(checkpoint)
+    pixels = pixel_values(decode_image(_held_out()[0][0]), 112)
+    first = engine.segment([Image(pixels, ["a cat", "a dog"])])
+    assert (engine.cache.hits, engine.cache.misses) == (0, 2)
+    again = engine.segment([Image(pixels, ["a dog", "a cat"])])
+    assert (engine.cache.hits, engine.cache.misses) == (2, 2)
+    assert torch.equal(first[0][0].mask_logits, again[0][1].mask_logits)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gate_passes_the_honest_engine(checkpoint, reference, dtype):
+    held = _held_out()
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    engine = _engine(checkpoint, dtype)
+    got = _answers(engine.segment, held, expected)
+    passed, detail, metrics = judge(got, expected, RULES)
+    assert passed, detail
+    assert metrics["accuracy/masks_compared"] == RULES.held_out * RULES.prompts_per_image * 4
+
+
+@pytest.mark.parametrize("kernels, words", [({"vision_attention": "transposed_positions"}, "query"),
+                                            ({"attention": "dropped_prompt"}, "prompt")])
+def test_gate_fails_a_planted_kernel_error(checkpoint, reference, kernels, words):
+    held = _held_out()
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    got = _answers(_engine(checkpoint, **kernels).segment, held, expected)
+    passed, detail, _ = judge(got, expected, RULES)
+    assert not passed and words in detail, detail
+
+
+def test_dropped_prompt_is_right_with_one_prompt_so_the_gate_needs_several(checkpoint, reference):
+    one = ImageAccuracyRules(held_out=1, prompts_per_image=1)
+    held = image_set(one, random.Random(3))
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    got = _answers(_engine(checkpoint, attention="dropped_prompt").segment, held, expected)
+    assert judge(got, expected, one)[0]
+
+
+def test_mask_agreement_counts_confident_pixels_by_iou_and_the_rest_by_logit():
+    ref = torch.tensor([[5.0, -5.0], [0.5, -0.5]]).numpy()
+    assert mask_agreement(ref.copy(), ref, 2.0) == (1.0, 0.0)
+    flipped = ref.copy()
+    flipped[0, 1] = 3.0  # a confident negative made positive: IoU 1/2
+    assert mask_agreement(flipped, ref, 2.0)[0] == 0.5
+    near = ref.copy()
+    near[1, 0] = -0.2  # an unconfident pixel's decision flips, its logit 0.7 away
+    iou, diff = mask_agreement(near, ref, 2.0)
+    assert iou == 1.0 and abs(diff - 0.7) < 1e-6
