@@ -299,3 +299,38 @@ def stage(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int], list[
     rng = random.Random(seed if seed is not None else random.SystemRandom().randrange(2**63))
     images, expected, baseline = reference_side(job, out, rng)
     return serve_images(job, candidate_id, argv_for, out, images, expected, baseline)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harness.serve.images --model-dir DIR [...]`: the image stage on this host, the
+    engine against the reference, every pattern of contract.images.PATTERNS; the verdict and
+    metrics as JSON on stdout, the servers' logs and AIPerf's exports under --out."""
+    import argparse
+    import sys
+    from dataclasses import asdict
+
+    from contract.images import PATTERNS
+
+    parser = argparse.ArgumentParser(prog="python -m harness.serve.images", description=main.__doc__)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--kernels", type=Path, help="the engine's kernels file (sam3_engine/ops.py)")
+    parser.add_argument("--patterns", default=",".join(p.name for p in PATTERNS))
+    args = parser.parse_args(argv)
+    known = {p.name: p for p in PATTERNS}
+    wanted = [n for n in args.patterns.split(",") if n]
+    if not (args.model_dir / "config.json").is_file() or any(n not in known for n in wanted):
+        print(f"error: --model-dir needs a config.json; --patterns from {', '.join(known)}", file=sys.stderr)
+        return 2
+    job = ImageServeJob(args.model_dir, args.dtype, args.device, {}, tuple(known[n] for n in wanted),
+                        ImageAccuracyRules(), args.margin, 900, 600, sys.executable)
+    result = stage(job, "sam3-engine", lambda port: engine_argv(job, port, args.kernels), args.out)
+    print(json.dumps({"verdict": asdict(result.verdict), "metrics": result.metrics}, indent=1, default=str))
+    return 0 if result.verdict.status == PASS else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
