@@ -131,3 +131,96 @@ def test_mask_agreement_counts_confident_pixels_by_iou_and_the_rest_by_logit():
     near[1, 0] = -0.2  # an unconfident pixel's decision flips, its logit 0.7 away
     iou, diff = mask_agreement(near, ref, 2.0)
     assert iou == 1.0 and abs(diff - 0.7) < 1e-6
+
+
+def _perturbed(answers: list[dict], change) -> list[dict]:
+    """A copy of `answers` with change(raw of image 0's second prompt) applied."""
+    import copy
+
+    out = copy.deepcopy(answers)
+    change(out[0]["results"][1]["raw"])
+    return out
+
+
+def _set_logits(raw: dict, fn) -> None:
+    import base64
+
+    import numpy as np
+
+    logits = np.frombuffer(base64.b64decode(raw["mask_logits"]), dtype="<f4").reshape(raw["mask_shape"]).copy()
+    fn(logits)
+    raw["mask_logits"] = base64.b64encode(logits.astype("<f4").tobytes()).decode()
+
+
+def test_every_check_of_the_gate_fails_its_own_error(checkpoint, reference):
+    held = _held_out()
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    assert judge(expected, expected, RULES)[0]
+
+    def score(raw):
+        raw["scores"][3] += 0.05
+
+    def box(raw):
+        raw["boxes"][2][1] += 0.05
+
+    def flip_confident(raw):  # every confident pixel of the first judged mask gets the other sign
+        _set_logits(raw, lambda m: m.__setitem__((0, abs(m[0]) > RULES.mask_margin), -m[0][abs(m[0]) > RULES.mask_margin]))
+
+    def nudge_unconfident(raw):  # the unconfident pixels moved by 10% of the largest |logit|
+        _set_logits(raw, lambda m: m.__setitem__((0, abs(m[0]) <= RULES.mask_margin),
+                                                 m[0][abs(m[0]) <= RULES.mask_margin] + 0.1 * abs(m[0]).max()))
+
+    for change, words in ((score, "score"), (box, "box"), (flip_confident, "mask IoU"),
+                          (nudge_unconfident, "not confident")):
+        passed, detail, _ = judge(_perturbed(expected, change), expected, RULES)
+        assert not passed and words in detail and "prompt" in detail, (words, detail)
+    swapped = _perturbed(expected, lambda raw: None)
+    swapped[0]["results"][1]["prompt"] = "something else"
+    assert "answered as prompt" in judge(swapped, expected, RULES)[1]
+    assert "results for" in judge([{"results": expected[0]["results"][:1]}] + expected[1:], expected, RULES)[1]
+    assert "answers to" in judge(expected[:1], expected, RULES)[1]
+
+
+def _queued(batcher, images: list[Image]):
+    """Every image submitted before the engine thread starts, so that one step may take them all."""
+    import asyncio
+
+    from engine_templates.sam3_engine.server import Pending
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        pendings = [Pending(im, loop, loop.create_future()) for im in images]
+        for p in pendings:
+            batcher.queue.put(p)
+        batcher.start()
+        try:
+            return await asyncio.gather(*(p.future for p in pendings), return_exceptions=True)
+        finally:
+            batcher.stop()
+    return asyncio.run(go())
+
+
+def test_requests_that_arrive_together_are_one_step(checkpoint):
+    from engine_templates.sam3_engine.server import Batcher
+
+    engine = _engine(checkpoint)
+    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in _held_out()]
+    batcher = Batcher(engine, max_images=2)
+    outs = _queued(batcher, images)
+    assert (batcher.steps, batcher.images, engine.largest_batch) == (2, 3, 2)  # 3 images, at most 2 a step
+    alone = [_engine(checkpoint).segment([im])[0] for im in images]
+    for got, want in zip(outs, alone):
+        assert [torch.allclose(g.mask_logits, w.mask_logits, atol=1e-4) for g, w in zip(got, want)] == \
+            [True] * len(want)
+
+
+def test_a_failed_step_is_retried_request_by_request(checkpoint):
+    from engine_templates.sam3_engine.server import Batcher
+
+    engine = _engine(checkpoint, vision_attention="no_batches")
+    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in _held_out()]
+    batcher = Batcher(engine, max_images=8)
+    outs = _queued(batcher, images)
+    assert not any(isinstance(o, Exception) for o in outs), outs
+    assert [len(o) for o in outs] == [len(im.prompts) for im in images]
+    assert (batcher.steps, engine.largest_batch) == (3, 3)  # the batch of 3 failed; each alone passed

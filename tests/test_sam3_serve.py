@@ -107,3 +107,34 @@ def test_image_stage_end_to_end_with_aiperf(checkpoint, tmp_path):
                        expected, baseline)
     assert bad.verdict.status == "fail" and bad.verdict.gates[-1].name == "accuracy"
     assert not bad.runs  # no load for a wrong engine
+
+
+@pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "unknown preset", "port taken"])
+def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case):
+    import socket
+
+    from engine_templates.sam3_engine.__main__ import main
+
+    kernels = tmp_path / "k.json"
+    kernels.write_text(json.dumps({"rmsnorm": {"impl": "eager"}} if case == "unknown op" else
+                                  {"gelu": {"impl": "magic"}}))
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    argv = {"unknown op": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
+                           "--kernels", str(kernels)],
+            "bad impl": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
+                         "--kernels", str(kernels)],
+            "no model dir": ["serve", "--model-dir", str(tmp_path / "nothing"), "--device", "cpu"],
+            "unknown preset": ["random-checkpoint", "--model", "sam4", "--out", str(tmp_path / "x")],
+            "port taken": ["serve-reference", "--model-dir", str(checkpoint), "--device", "cpu",
+                           "--port", str(held.getsockname()[1])]}[case]
+    try:
+        assert main(argv) == 2
+    finally:
+        held.close()
+    err = capsys.readouterr().err.strip()
+    says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, attention)",
+            "bad impl": "gelu: expected", "no model dir": "not a SAM 3 model directory",
+            "unknown preset": "unknown SAM 3 preset 'sam4'", "port taken": "cannot listen on"}[case]
+    assert len(err.splitlines()) == 1 and says in err, err

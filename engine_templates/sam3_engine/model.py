@@ -67,8 +67,13 @@ class GraphedVision:
 
     def __init__(self, encoder, batch_sizes: list[int], size: int, dtype, device):
         self.encoder, self.graphs = encoder, {}
+        with torch.inference_mode():
+            self._capture(encoder, batch_sizes, size, dtype, device)
+
+    def _capture(self, encoder, batch_sizes, size, dtype, device) -> None:
+        pool = None  # one memory pool for all: the largest captured first, the smaller reuse its memory
         try:
-            for b in sorted(batch_sizes):
+            for b in sorted(batch_sizes, reverse=True):
                 x = torch.zeros(b, 3, size, size, dtype=dtype, device=device)
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -77,8 +82,9 @@ class GraphedVision:
                         encoder(x)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, pool=pool):
                     out = encoder(x)
+                pool = graph.pool()
                 self.graphs[b] = (graph, x, out)
         except RuntimeError as e:  # capture of an op that cannot be captured: run eager
             log.warning("vision encoder: CUDA graph capture failed (%s); running eager", e)
