@@ -138,3 +138,16 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
             "bad impl": "gelu: expected", "no model dir": "not a SAM 3 model directory",
             "unknown preset": "unknown SAM 3 preset 'sam4'", "port taken": "cannot listen on"}[case]
     assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_the_shipped_serving_file_reads_and_a_wrong_one_is_one_line(tmp_path, capsys):
+    from harness.serve.images import main, serving_file
+
+    patterns, rules, margin = serving_file(Path(__file__).parent.parent / "bench" / "serving-sam3.json")
+    assert [p.name for p in patterns] == ["single", "c8", "c32", "c8_prompts4"]
+    assert patterns[3].prompts_per_image == 4 and rules.held_out == 8 and margin == 0.0
+    bad = tmp_path / "s.json"
+    bad.write_text(json.dumps({"traffic": [{"name": "x", "concurency": 8}]}))
+    assert main(["--model-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--serving", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "traffic[0]: expected an object of" in err, err

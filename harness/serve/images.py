@@ -301,32 +301,77 @@ def stage(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int], list[
     return serve_images(job, candidate_id, argv_for, out, images, expected, baseline)
 
 
+def serving_file(path: Path) -> tuple[tuple[ImagePattern, ...], ImageAccuracyRules, float | None]:
+    """A serving file of the image stage (JSON): `traffic` (a list of ImagePattern fields),
+    `accuracy` (ImageAccuracyRules fields), `margin`; each left out keeps the defaults. A mistake
+    is a ValueError naming it."""
+    from dataclasses import fields
+
+    from contract.images import PATTERNS
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read serving file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(raw, dict) or set(raw) - {"traffic", "accuracy", "margin"}:
+        raise ValueError(f"{path}: expected an object of traffic, accuracy and margin")
+
+    def build(cls, values, where):
+        known = {f.name for f in fields(cls)}
+        if not isinstance(values, dict) or set(values) - known:
+            raise ValueError(f"{path}: {where}: expected an object of {', '.join(sorted(known))}")
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        except TypeError as e:
+            raise ValueError(f"{path}: {where}: {e}") from None
+
+    traffic = raw.get("traffic")
+    if traffic is not None and (not isinstance(traffic, list) or not traffic):
+        raise ValueError(f"{path}: traffic: expected a non-empty list of patterns")
+    patterns = tuple(build(ImagePattern, p, f"traffic[{i}]") for i, p in enumerate(traffic)) if traffic else PATTERNS
+    rules = build(ImageAccuracyRules, raw.get("accuracy", {}), "accuracy")
+    margin = raw.get("margin")
+    if margin is not None and not isinstance(margin, (int, float)):
+        raise ValueError(f"{path}: margin: expected a number")
+    return patterns, rules, margin
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m harness.serve.images --model-dir DIR [...]`: the image stage on this host, the
-    engine against the reference, every pattern of contract.images.PATTERNS; the verdict and
-    metrics as JSON on stdout, the servers' logs and AIPerf's exports under --out."""
+    engine against the reference, on every pattern (contract.images.PATTERNS, or a serving
+    file's); the verdict and metrics as JSON on stdout, the servers' logs and AIPerf's exports
+    under --out."""
     import argparse
     import sys
     from dataclasses import asdict
-
-    from contract.images import PATTERNS
 
     parser = argparse.ArgumentParser(prog="python -m harness.serve.images", description=main.__doc__)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--margin", type=float, default=0.0)
+    parser.add_argument("--serving", type=Path, help="a JSON serving file: traffic, accuracy, margin")
+    parser.add_argument("--margin", type=float, default=None, help="default: the serving file's, else 0")
     parser.add_argument("--kernels", type=Path, help="the engine's kernels file (sam3_engine/ops.py)")
-    parser.add_argument("--patterns", default=",".join(p.name for p in PATTERNS))
+    parser.add_argument("--patterns", default="", help="only these patterns (comma-separated)")
     args = parser.parse_args(argv)
-    known = {p.name: p for p in PATTERNS}
-    wanted = [n for n in args.patterns.split(",") if n]
+    try:
+        patterns, rules, margin = serving_file(args.serving) if args.serving else (None, ImageAccuracyRules(), None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from contract.images import PATTERNS
+
+    known = {p.name: p for p in patterns or PATTERNS}
+    wanted = [n for n in args.patterns.split(",") if n] or list(known)
     if not (args.model_dir / "config.json").is_file() or any(n not in known for n in wanted):
         print(f"error: --model-dir needs a config.json; --patterns from {', '.join(known)}", file=sys.stderr)
         return 2
+    margin = args.margin if args.margin is not None else margin if margin is not None else 0.0
     job = ImageServeJob(args.model_dir, args.dtype, args.device, {}, tuple(known[n] for n in wanted),
-                        ImageAccuracyRules(), args.margin, 900, 600, sys.executable)
+                        rules, margin, 900, 600, sys.executable)
     result = stage(job, "sam3-engine", lambda port: engine_argv(job, port, args.kernels), args.out)
     print(json.dumps({"verdict": asdict(result.verdict), "metrics": result.metrics}, indent=1, default=str))
     return 0 if result.verdict.status == PASS else 1
