@@ -170,8 +170,11 @@ def test_every_check_of_the_gate_fails_its_own_error(checkpoint, reference):
         _set_logits(raw, lambda m: m.__setitem__((0, abs(m[0]) <= RULES.mask_margin),
                                                  m[0][abs(m[0]) <= RULES.mask_margin] + 0.1 * abs(m[0]).max()))
 
+    def nan(raw):
+        _set_logits(raw, lambda m: m.__setitem__((0, 0, 0), float("nan")))
+
     for change, words in ((score, "score"), (box, "box"), (flip_confident, "mask IoU"),
-                          (nudge_unconfident, "not confident")):
+                          (nudge_unconfident, "not confident"), (nan, "not finite")):
         passed, detail, _ = judge(_perturbed(expected, change), expected, RULES)
         assert not passed and words in detail and "prompt" in detail, (words, detail)
     swapped = _perturbed(expected, lambda raw: None)

@@ -46,7 +46,9 @@ def decode_image(data: str, max_pixels: int = MAX_PIXELS):
             if width * height > max_pixels:
                 raise BadInput(f"image too large: {width}x{height} pixels; at most {max_pixels} pixels")
             return probe.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:
+        raise BadInput(f"image too large: at most {max_pixels} pixels") from None
+    except (UnidentifiedImageError, OSError):
         raise BadInput("image is not an image PIL can read (PNG or JPEG, base64)") from None
 
 

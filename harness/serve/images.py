@@ -125,6 +125,9 @@ def judge(candidate: list[dict], reference: list[dict], rules: ImageAccuracyRule
             r_scores, r_boxes, r_masks = _raw(r)
             if c_scores.shape != r_scores.shape or c_boxes.shape != r_boxes.shape:
                 return False, f"{where}: {c_scores.shape[0]} queries, the reference has {r_scores.shape[0]}", {}
+            # a NaN compares false with every tolerance: not finite is wrong, said so
+            if not all(np.isfinite(a).all() for a in (c_scores, c_boxes, *c_masks.values())):
+                return False, f"{where}: scores, boxes or mask logits not finite (NaN or infinite)", {}
             score = float(np.abs(c_scores - r_scores).max())
             box = float(np.abs(c_boxes - r_boxes).max())
             worst["score"], worst["box"] = max(worst["score"], score), max(worst["box"], box)
