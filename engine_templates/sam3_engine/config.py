@@ -33,11 +33,15 @@ def tiny_config() -> dict:
 
 
 PRESETS = {"sam3-tiny": tiny_config, "sam3": dict}
+# the ViT attention gains below, per preset: only the tiny model's two layers take them; 32
+# layers of sharpened attention amplify a rounding into a different answer (chaos, not a model)
+VIT_GAINS = {"sam3-tiny": True, "sam3": False}
 
 # Random weights of transformers' initialization give mask logits of about 1e-5: no pixel is
-# confidently in or out. The mask embedder's last layer is scaled so that they spread over several
-# units either side of 0, as a trained model's do, and the accuracy gate sees both kinds of pixel.
-MASK_LOGIT_GAIN = 3000.0
+# confidently in or out. The mask embedder's last layer is scaled so that their standard deviation
+# on a random image is MASK_LOGIT_STD, as a trained model's spread over several units either side
+# of 0, and the accuracy gate sees both kinds of pixel. (The logits are linear in that layer.)
+MASK_LOGIT_STD = 1.5
 # Likewise its ViT's attention is near uniform (q.k of about 1e-3) and adds little to the residual
 # stream: blind to positions. Its query and key projections are scaled so that attention picks
 # out neighbours, and its value and output projections so that what it picks counts, as in a
@@ -63,12 +67,12 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0) -> Path:
     config = Sam3Config(**PRESETS[preset]())
     model = Sam3Model(config).eval()
     with torch.no_grad():
-        model.mask_decoder.mask_embedder.layers[-1].weight.mul_(MASK_LOGIT_GAIN)
-        for layer in model.vision_encoder.backbone.layers:
+        for layer in model.vision_encoder.backbone.layers if VIT_GAINS[preset] else ():
             layer.attention.q_proj.weight.mul_(ATTENTION_GAIN)
             layer.attention.k_proj.weight.mul_(ATTENTION_GAIN)
             layer.attention.v_proj.weight.mul_(VALUE_GAIN)
             layer.attention.o_proj.weight.mul_(VALUE_GAIN)
+        _calibrate_mask_logits(model, config)
     model.save_pretrained(out)
     vocab = config.text_config.vocab_size
     train_tokenizer(out, bpe_vocab=min(600, vocab), pad_to=vocab)
@@ -76,3 +80,22 @@ def write_random_checkpoint(preset: str, out: Path, seed: int = 0) -> Path:
     meta["infersmith_preset"] = preset
     (out / "config.json").write_text(json.dumps(meta, indent=2))
     return out
+
+
+def _calibrate_mask_logits(model, config) -> None:
+    """Scales the mask embedder's last layer so that the mask logits' std is MASK_LOGIT_STD on a
+    random image and prompt (one forward, on a GPU where there is one)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = config.vision_config.backbone_config.image_size
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(1, 3, size, size, generator=generator)
+    ids = torch.randint(3, config.text_config.vocab_size, (1, 8), generator=generator)
+    model.to(device)
+    std = model(pixel_values=pixels.to(device), input_ids=ids.to(device)).pred_masks.float().std().item()
+    model.to("cpu")
+    last = model.mask_decoder.mask_embedder.layers[-1]
+    last.weight.mul_(MASK_LOGIT_STD / std)
+    if last.bias is not None:
+        last.bias.mul_(MASK_LOGIT_STD / std)
