@@ -199,15 +199,17 @@ class Served:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def compare(result: Served, baseline: dict[str, PatternRun], margin: float) -> None:
+def compare(result: Served, baseline: dict[str, PatternRun], margin: float, metrics: dict | None = None) -> None:
     """The all-metrics gate: on every pattern, every metric at least `margin` better than the
     baseline's. A metric missing, or not above zero, on either side fails it: a latency of 0 (all
     tokens in one read) or a throughput of 0 is no measurement to beat. Adds per pattern
     `<pattern>/<metric>`, `baseline_<metric>`, `vs_baseline_<metric>` (>1: better; only where both
-    are measured), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics."""
+    are measured), and `score` (their geometric mean) and `worst_vs_baseline` to result.metrics.
+    `metrics`: the names compared and their direction (default METRICS, the text stage's)."""
+    metrics = METRICS if metrics is None else metrics
     short, ratios = [], []
     for pattern, run in result.runs.items():
-        for name, (_, _, higher) in METRICS.items():
+        for name, (_, _, higher) in metrics.items():
             c, b = run.metrics.get(name), baseline[pattern].metrics.get(name)
             if c is None or b is None:
                 short.append(f"{pattern}/{name} (not measured)")
@@ -226,7 +228,7 @@ def compare(result: Served, baseline: dict[str, PatternRun], margin: float) -> N
     if ratios:
         result.metrics["score"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
         result.metrics["worst_vs_baseline"] = min(ratios)
-    total = len(result.runs) * len(METRICS)
+    total = len(result.runs) * len(metrics)
     detail = (f"every one of {total} metrics beats the baseline by {margin:.0%}" if not short else
               f"{len(short)} of {total} metrics short of the baseline by {margin:.0%}: " + "; ".join(short))
     result.verdict.gate("all_metrics", not short, detail)

@@ -46,7 +46,8 @@ class KernelFileError(EngineSetupError):
     """A kernels file or kernel choice that cannot be used."""
 
 
-def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
+def parse_kernels_file(path: Path, ops: tuple[str, ...] = ENGINE_OPS) -> dict[str, KernelSpec]:
+    """The file's choices, each for one of `ops` (default: the text engine's)."""
     try:
         raw = json.loads(Path(path).read_text())
     except OSError as e:
@@ -60,8 +61,8 @@ def parse_kernels_file(path: Path) -> dict[str, KernelSpec]:
     specs = {}
     for op, choice in raw.items():
         where = f"{path}: {op}"
-        if op not in ENGINE_OPS:
-            raise KernelFileError(f"{where}: not an op the engine uses ({', '.join(ENGINE_OPS)})")
+        if op not in ops:
+            raise KernelFileError(f"{where}: not an op the engine uses ({', '.join(ops)})")
         if not isinstance(choice, dict) or choice.get("impl") not in IMPLS:
             raise KernelFileError(f"{where}: expected {{\"impl\": one of {', '.join(IMPLS)}, ...}}")
         unknown = set(choice) - set(FIELD_TYPES)

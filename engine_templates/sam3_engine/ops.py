@@ -1,0 +1,164 @@
+"""The seam where kernels plug into SAM 3: four ops the model's modules call, each taken as a
+kernels file says (the text engine's format, engine/kernels.py):
+
+    {"layernorm":        {"impl": "eager"},
+     "vision_attention": {"impl": "free", "path": "candidates/vit_attention.py"}}
+
+`eager` (the default) is the PyTorch function below; `free` a Python file defining a function
+named after the op; `template` and `reference` come from the op registry (engine_templates/ops)
+for an op it holds.
+
+    layernorm(x, weight, bias, eps)              every nn.LayerNorm of the model
+    gelu(x)                                      the ViT's MLPs and the FPN's GELUs
+    vision_attention(q, k, v, cos, sin, scaling) the ViT's windowed and global attention: q, k, v
+                                                 (B, H, S, D), the 2-D rotary table cos, sin
+                                                 (1, S, D) applied to q and k; out (B, S, H, D)
+    attention(q, k, v, mask, scaling, is_causal) every other attention (CLIP text encoder, DETR
+                                                 encoder and decoder, mask decoder): mask additive
+                                                 or boolean, broadcast to (B, H, Sq, Sk); out
+                                                 (B, Sq, H, D)
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_templates.engine.config import KernelSpec
+from engine_templates.engine.kernels import KernelFileError, _load_free, parse_kernels_file, resolve
+
+log = logging.getLogger("infersmith.sam3")
+SAM3_OPS = ("layernorm", "gelu", "vision_attention", "attention")
+ATTENTION_NAME = "infersmith_sam3"  # the attention implementation transformers' modules are set to
+
+
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): SAM 3's pairwise rotary layout."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def vision_attention(q, k, v, cos, sin, scaling: float) -> torch.Tensor:
+    qf, kf = q.float(), k.float()
+    q = (qf * cos + rotate_pairs(qf) * sin).to(v.dtype)
+    k = (kf * cos + rotate_pairs(kf) * sin).to(v.dtype)
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2)
+
+
+def attention(q, k, v, mask, scaling: float, is_causal: bool = False) -> torch.Tensor:
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    causal = bool(is_causal) and mask is None and q.shape[2] > 1
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal).transpose(1, 2)
+
+
+EAGER = {"layernorm": layernorm, "gelu": gelu, "vision_attention": vision_attention, "attention": attention}
+
+
+class Sam3Kernels:
+    """One callable per op and where each came from (`choices`, which /health reports)."""
+
+    def __init__(self, specs: dict[str, KernelSpec] | None = None):
+        specs = specs or {}
+        unknown = set(specs) - set(SAM3_OPS)
+        if unknown:
+            raise KernelFileError(f"not ops the SAM 3 engine uses: {sorted(unknown)}; its ops: {', '.join(SAM3_OPS)}")
+        self.choices: dict[str, dict[str, Any]] = {}
+        for name in SAM3_OPS:
+            spec = specs.get(name, KernelSpec())
+            setattr(self, name, _resolve(name, spec))
+            self.choices[name] = {"impl": spec.impl} | ({"path": spec.path} if spec.impl == "free" else {})
+
+    @classmethod
+    def from_file(cls, path: Path | None) -> Sam3Kernels:
+        return cls(parse_kernels_file(path, SAM3_OPS) if path is not None else None)
+
+
+def _resolve(name: str, spec: KernelSpec) -> Callable[..., Any]:
+    if spec.impl == "eager":
+        return EAGER[name]
+    if spec.impl == "free":
+        return _load_free(name, spec.path)
+    from engine_templates.ops import OPS
+
+    if name not in OPS:
+        raise KernelFileError(f"{name}: impl {spec.impl!r} needs the op in the registry, which does not hold it; "
+                              "use eager or free")
+    return resolve(name, spec)
+
+
+# --- the seam: transformers' SAM 3 modules routed through the kernels ------------------------------
+
+class _SeamLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return self.kernels.layernorm(x, self.weight, self.bias, self.eps)
+
+
+class _SeamGELU(nn.Module):
+    def __init__(self, kernels: Sam3Kernels):
+        super().__init__()
+        self.kernels = kernels
+
+    def forward(self, x):
+        return self.kernels.gelu(x)
+
+
+def _vit_attention_forward(self, hidden_states, position_embeddings, **kwargs):
+    """Sam3ViTRoPEAttention.forward with the rotary and the attention one op."""
+    batch, height, width, _ = hidden_states.shape
+    shape = (batch, height * width, self.num_attention_heads, self.head_dim)
+    q = self.q_proj(hidden_states).view(*shape).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(*shape).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(*shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    out = self.kernels.vision_attention(q, k, v, cos, sin, self.scaling)
+    return self.o_proj(out.reshape(batch, height, width, -1)), None
+
+
+def register_attention() -> None:
+    """transformers' attention interface under ATTENTION_NAME, calling the kernels `install` left
+    on the calling module (so two engines in one process keep their own)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", False))
+        return module.kernels.attention(query, key, value, attention_mask, scaling, causal), None
+
+    AttentionInterface.register(ATTENTION_NAME, forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def install(model: nn.Module, kernels: Sam3Kernels) -> None:
+    """Routes the model's layer norms, GELUs and attentions through `kernels`."""
+    from transformers.activations import GELUActivation
+    from transformers.models.sam3.modeling_sam3 import Sam3ViTRoPEAttention
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.LayerNorm:
+                child.__class__ = _SeamLayerNorm
+            elif type(child) in (nn.GELU, GELUActivation) and getattr(child, "approximate", "none") == "none":
+                setattr(parent, name, _SeamGELU(kernels))
+            elif type(child) is Sam3ViTRoPEAttention:
+                child.forward = _vit_attention_forward.__get__(child)
+    register_attention()
+    for module in model.modules():
+        if not isinstance(module, _SeamGELU):
+            module.kernels = kernels
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = ATTENTION_NAME
