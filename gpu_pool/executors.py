@@ -5,12 +5,14 @@ import os
 import shlex
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from contract.job import Job
 from contract.serve import EngineCandidate, ServeJob
 from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
-from gpu_pool.local import LocalExecutor, StageRun
+from gpu_pool.local import LocalExecutor, LocalSession, StageRun
 from gpu_pool.pool import Slot
 from gpu_pool.ssh import SSHExecutor, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
@@ -39,11 +41,25 @@ assert int(x.sum().item()) == 1 << 20, "a sum of ones on the GPU came out wrong"
 """
 
 
-def run_stage(job: Job, slot: Slot, timeout_s: float) -> StageRun:
-    """The stage's run; a HostFault when the host failed: unreachable, dropped, or its GPU fails
+@contextmanager
+def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> Iterator[LocalSession | None]:
+    """One session for a candidate's stages on this machine's slot (gpu_pool/local.py), ended on
+    leaving; None over SSH, where each stage is a process of its own."""
+    if not slot.host.is_local:
+        yield None
+        return
+    session = LocalExecutor().session(slot, jobs, limits)
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+def run_stage(job: Job, slot: Slot, timeout_s: float, session: LocalSession | None = None) -> StageRun:
+    """The stage's run, in `session` when given; a HostFault when the host failed: unreachable, dropped, or its GPU fails
     the pool's device check after a crash whose output names a GPU error. That output is partly
     the candidate's, which may print anything: it only decides whether the device is asked."""
-    run = executor_for(slot).run(job, slot, timeout_s)
+    run = (session or executor_for(slot)).run(job, slot, timeout_s)
     if slot.gpu is not None and gpu_fault_in(run.verdict):
         fault = device_fault(slot)
         if fault:

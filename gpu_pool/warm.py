@@ -84,15 +84,16 @@ class ForkServer:
             return None
         return json.loads(data) if data else None
 
-    def start(self, argv: list[str], cwd: Path, stdout, stderr) -> Started | None:
-        """`python -m harness ARGV` in `cwd`, forked; None when this server cannot start it."""
+    def start(self, argv: list[str], cwd: Path, stdout, stderr, extra_fds: tuple[int, ...] = ()) -> Started | None:
+        """`python -m harness ARGV` in `cwd`, forked, with `extra_fds` as its descriptors 3, 4, …;
+        None when this server cannot start it."""
         with self._lock:
             if not self._is_ready():
                 return None
             r, w = os.pipe()
             try:
                 socket.send_fds(self.sock, [json.dumps({"argv": argv, "cwd": str(cwd)}).encode()],
-                                [stdout.fileno(), stderr.fileno(), w])
+                                [stdout.fileno(), stderr.fileno(), w, *extra_fds])
                 reply = self._receive(REPLY_TIMEOUT_S)
             except OSError:
                 reply = None

@@ -41,16 +41,7 @@ def main() -> int:
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send
-    line = stdin.readline()
-    if not line:  # the supervisor stopped before handing over a job
-        return 0
-    request |= json.loads(line)
-    send("isolation", detail=f"{memory}; {network}; pid {os.getpid()}")
-    job = Job.from_json(request["job"])
-    op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
-    if dev == "cuda":
-        torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
-    caches = request.get("caches", {})
+    isolation = f"{memory}; {network}; pid {os.getpid()}"
     # Numbered: the supervisor answers each number once. Numbered from 0 before the baselines and
     # again once the candidate loads.
     settles = [itertools.count()]
@@ -58,35 +49,51 @@ def main() -> int:
     def settle() -> bool:
         return _settle(send, stdin, next(settles[0]))
 
-    baselines = {}
-    if job.stage == "bench":  # before the candidate exists in this process (harness/baselines.py)
-        os.environ.update(caches.get("baselines", {}))
-        if (baselines := measure_baselines(job, op, dev, request["plan"], send, settle)) is None:
-            send("done")
-            return 0
-    os.environ.update(caches.get("candidate", {}))
-    identities = integrity.Identities()
-    send("loading")  # from here on the candidate's code runs in this process
-    settles[0] = itertools.count()
-    try:
-        fn = load(job.candidate, op, Path(os.getcwd()))
-    except Rejected as e:
-        send("gate", name=e.gate, passed=False, detail=e.detail)
+    baselines, fn, identities = None, None, None
+    # One request a line: the bench stage's baselines (before the candidate exists in this process),
+    # then each stage of the candidate's session in turn. The supervisor ends the session by closing
+    # stdin, or by killing this process.
+    while line := stdin.readline():
+        request |= json.loads(line)
+        job = Job.from_json(request["job"])
+        op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
+        if dev == "cuda":
+            torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
+        caches = request.get("caches", {})
+        if request.get("part") == "baselines":  # harness/baselines.py; ends with `loading`, or a failure
+            send("isolation", detail=isolation)
+            os.environ.update(caches.get("baselines", {}))
+            if (baselines := measure_baselines(job, op, dev, request["plan"], send, settle)) is None:
+                send("done")
+                return 0
+            send("loading")  # from here on the candidate's code may run in this process
+            settles[0] = itertools.count()
+            continue
+        if job.stage != "bench":  # the bench stage's judge had both at its baselines
+            send("isolation", detail=isolation)
+            send("loading")
+        if fn is None:
+            os.environ.update(caches.get("candidate", {}))
+            identities = integrity.Identities()
+            try:
+                fn = load(job.candidate, op, Path(os.getcwd()))
+            except Rejected as e:
+                send("gate", name=e.gate, passed=False, detail=e.detail)
+                send("done")
+                return 0
+            except MemoryError as e:
+                send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
+                send("done")
+                return 0
+        if job.stage == "bench":
+            stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
+                               patched=identities.changed)
+        else:
+            {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
+        patched = identities.changed()
+        if patched:
+            send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
         send("done")
-        return 0
-    except MemoryError as e:
-        send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
-        send("done")
-        return 0
-    if job.stage == "bench":
-        stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
-                           patched=identities.changed)
-    else:
-        {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
-    patched = identities.changed()
-    if patched:
-        send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
-    send("done")
     return 0
 
 
