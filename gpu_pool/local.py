@@ -200,31 +200,21 @@ class LocalSession:
 
     def close(self) -> None:
         """End the session (its supervisor ends its sandbox first), and remove its scratch directory."""
-        if self.proc is not None:
-            self.channel.shutdown(socket.SHUT_WR)  # the requests end: the supervisor ends the session
+        if self.channel is not None:
+            try:
+                self.channel.shutdown(socket.SHUT_WR)  # the requests end: the supervisor ends the session
+            except OSError:
+                pass  # its end is closed already: it exited
             if self.proc.wait(30) is None:
                 self.proc.kill_group()
             self.proc.kill_group()  # whatever the candidate left in the session's process group
             self.channel.close()
-            self.proc = _Ended(self.proc.returncode)
+            self.channel = None
         self.ended = True
         for f in self._logs:
             f.close()
         self._logs = []
         shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-class _Ended:
-    """A session's process once it ended."""
-
-    def __init__(self, returncode: int | None):
-        self.returncode = returncode
-
-    def wait(self, timeout_s: float | None) -> int | None:
-        return self.returncode
-
-    def kill_group(self) -> None:
-        return None
 
 
 class _Fresh:

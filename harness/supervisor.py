@@ -133,7 +133,7 @@ class Session:
         finally:
             deadline.cancel()
         if ended:
-            self.close()
+            self._end_sandbox()
             if sandbox.watchdog.tripped:
                 judge.memory_exceeded(sandbox.watchdog.tripped)
         self._integrity(v, tree_changes(self.before, tree_digest(self.trees)))
@@ -178,15 +178,19 @@ class Session:
             v.gate("harness_integrity", False, f"the harness's files changed while the candidate ran: "
                                                f"{'; '.join(changes[:5])}")
 
-    def close(self) -> None:
-        """End the sandbox and all it started; bytecode it planted in the harness's trees goes."""
+    def _end_sandbox(self) -> None:
         self.over = True
         if self.sandbox is not None and not self.sandbox.ended:
             self.sandbox.end()
+
+    def close(self) -> None:
+        """End the sandbox and all it started; bytecode it planted in the harness's trees goes."""
+        ended_here = self.sandbox is not None and not self.sandbox.ended
+        self._end_sandbox()
+        if ended_here and self.before:
             from harness.integrity import tree_changes, tree_digest
 
-            if self.before:
-                _remove_planted(tree_changes(self.before, tree_digest(self.trees)))
+            _remove_planted(tree_changes(self.before, tree_digest(self.trees)))
 
 
 def _device_known(job: Job) -> str | None:
