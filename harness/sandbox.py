@@ -4,14 +4,16 @@ interpreter.
 
 It reads its limits on the first line of stdin and applies them (memory, core dumps,
 network), imports the harness, torch and the op if they are not yet (a fresh interpreter does
-so while the supervisor makes its plan), reads the job and the plan on the second line, in
-the bench stage measures the baselines (harness/baselines.py), notes the identity of every
-timer and harness function, says `loading`, and only then imports the candidate from its
-scratch directory, with Triton's and Inductor's caches pointed at its own (harness/caches.py).
-Everything it finds goes to the supervisor as frames on FD; it decides no verdict — a
-process that dies or stops reporting is a crash there. In the bench stage it waits on stdin
-before timing each shape, until the supervisor has judged what it was sent and left the GPU
-idle (`settle`), so that no work of the supervisor's shares the GPU with a timing.
+so while the supervisor makes its plan), then takes one request a line: the bench stage's
+baselines, measured before the candidate exists in this process (harness/baselines.py) and ended
+by `loading`, then each stage of the candidate's session in turn, each ended by `done`. It notes
+the identity of every timer and harness function and imports the candidate from its scratch
+directory at the first stage, with Triton's and Inductor's caches pointed at its own
+(harness/caches.py); later stages call what it loaded. Everything it finds goes to the supervisor
+as frames on FD; it decides no verdict — a process that dies or stops reporting is a crash
+there. In the bench stage it waits on stdin before timing each shape, until the supervisor has
+judged what it was sent and left the GPU idle (`settle`), so that no work of the supervisor's
+shares the GPU with a timing. It ends when stdin does, or when the supervisor kills it.
 """
 from __future__ import annotations
 

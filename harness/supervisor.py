@@ -1,12 +1,14 @@
-"""The trusted side of one stage: screen, plan, run the sandbox, judge, write the verdict.
+"""The trusted side of a candidate's stages: screen, plan, run the sandbox, judge, return the verdicts.
 
 The candidate never runs in this process. The supervisor screens the source, hashes the
 harness's files, starts `harness.sandbox` (its own process, scratch directory, memory limit, no
 network where the OS allows; a fork of this one when it may fork, harness/processes.py), draws
 the seeds, and reads its report. Values are judged here against the float64 oracle on inputs
 this process redraws itself from the same seeds, so the expected outputs exist only where the
-candidate cannot reach them; the verdict is written only here, after the sandbox and everything
-it started are dead.
+candidate cannot reach them. One sandbox serves a candidate's session, its stages in order
+(`Session`); a stage on its own is a session of one (`supervise`). Each stage's verdict is made
+here and handed to the caller, never written by the sandbox; the session's last one after the
+sandbox and everything it started are dead.
 """
 from __future__ import annotations
 
@@ -263,9 +265,9 @@ class _Report(io.RawIOBase):
 
 
 class Sandbox:
-    """The candidate's process: started with its limits, then given its job and plan on a
-    second line of stdin (the sandbox imports torch in between, unless it is a warm fork), then
-    read to the end."""
+    """The candidate's process: started with its limits, then given each request (a job and its
+    plan) as a line of stdin (the sandbox imports torch before the first, unless it is a warm
+    fork), its report read up to each request's last frame, until `end`."""
 
     def __init__(self, job: Job, scratch: Path, device: str | None = None):
         libc = ctypes.CDLL(None, use_errno=True)
