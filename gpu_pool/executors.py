@@ -14,7 +14,7 @@ from contract.serve import EngineCandidate, ServeJob
 from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
 from gpu_pool.local import LocalExecutor, LocalSession, StageRun
 from gpu_pool.pool import Slot
-from gpu_pool.ssh import SSHExecutor, connect, run_command
+from gpu_pool.ssh import SSHExecutor, SSHSession, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
 from harness.serve import stage
 
@@ -42,20 +42,17 @@ assert int(x.sum().item()) == 1 << 20, "a sum of ones on the GPU came out wrong"
 
 
 @contextmanager
-def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> Iterator[LocalSession | None]:
-    """One session for a candidate's stages on this machine's slot (gpu_pool/local.py), ended on
-    leaving; None over SSH, where each stage is a process of its own."""
-    if not slot.host.is_local:
-        yield None
-        return
-    session = LocalExecutor().session(slot, jobs, limits)
+def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> Iterator[LocalSession | SSHSession]:
+    """One session for a candidate's stages on the slot (gpu_pool/local.py's LocalSession, or over
+    SSH gpu_pool/ssh.py's SSHSession), ended on leaving."""
+    session = LocalExecutor().session(slot, jobs, limits) if slot.host.is_local else SSHSession(slot, jobs, limits)
     try:
         yield session
     finally:
         session.close()
 
 
-def run_stage(job: Job, slot: Slot, timeout_s: float, session: LocalSession | None = None) -> StageRun:
+def run_stage(job: Job, slot: Slot, timeout_s: float, session: LocalSession | SSHSession | None = None) -> StageRun:
     """The stage's run, in `session` when given; a HostFault when the host failed: unreachable, dropped, or its GPU fails
     the pool's device check after a crash whose output names a GPU error. That output is partly
     the candidate's, which may print anything: it only decides whether the device is asked."""

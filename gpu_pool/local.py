@@ -2,6 +2,8 @@
 candidate's stages in one session, one supervisor and one sandbox for them all."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import select
@@ -103,6 +105,19 @@ class LocalExecutor:
         return LocalSession(self, slot, jobs, limits)
 
 
+def session_key() -> bytes:
+    """A session's key: sent to its supervisor first, before its sandbox exists; its replies are signed with it."""
+    return os.urandom(32)
+
+
+def signed_reply(key: bytes, line: bytes) -> str | None:
+    """The verdict's JSON of a reply line signed under `key` (harness/__main__.py); None when the
+    line is not one: written by something else than the session's supervisor."""
+    mac, _, body = line.partition(b" ")
+    good = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+    return body.decode() if hmac.compare_digest(mac, good) else None
+
+
 class LocalSession:
     """One candidate's stages in one `python -m harness session` on this machine (harness/__main__.py):
     its jobs written before it starts, started at the first stage, asked for each stage in turn on a
@@ -121,6 +136,7 @@ class LocalSession:
         self.channel: socket.socket | None = None
         self._logs: list = []
         self._replies = b""
+        self.key = session_key()
         self.ended = False
 
     def _start(self) -> None:
@@ -139,6 +155,7 @@ class LocalSession:
                                                     start_new_session=True))
         finally:
             theirs.close()  # the supervisor holds the other end alone
+        self.channel.sendall((json.dumps({"key": self.key.hex()}) + "\n").encode())
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         """The stage's verdict, from the session's supervisor; a crash when it does not come in
@@ -187,7 +204,12 @@ class LocalSession:
                 return None, self._ended_code()
             self._replies += chunk
         line, self._replies = self._replies.split(b"\n", 1)
-        return line.decode(), 0
+        text = signed_reply(self.key, line)
+        if text is None:
+            self.proc.kill_group()
+            self.ended = True
+            return None, 1
+        return text, 0
 
     def _ended_code(self) -> int:
         """The exit code of a supervisor that ended its side without a reply."""

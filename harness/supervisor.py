@@ -31,7 +31,7 @@ from harness.screen import screen
 
 WORKER_ROOT = Path(__file__).resolve().parent.parent
 WATCHED_TREES = ("harness", "engine_templates", "contract")
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE = 36, 4
 
 
 def supervise(job: Job, scratch: Path) -> Verdict:
@@ -51,8 +51,10 @@ class Session:
     by a judge of its own, under its own limit; its verdict is this process's, returned to the
     caller, never written by the sandbox."""
 
-    def __init__(self, scratch: Path, stages: list[str], bench: Job | None = None):
-        self.scratch, self.stages, self.bench = scratch, stages, bench
+    def __init__(self, scratch: Path, stages: list[str], bench: Job | None = None, private: bool = False):
+        """`private`: once the sandbox runs, make this process not dumpable, so that no other
+        process of its user opens its descriptors (a session's channel) through /proc."""
+        self.scratch, self.stages, self.bench, self.private = scratch, stages, bench, private
         self.trees = [WORKER_ROOT / t for t in WATCHED_TREES]
         self.sandbox: Sandbox | None = None
         self.bench_judge = None
@@ -108,6 +110,8 @@ class Session:
                 self.sandbox = Sandbox(job, self.scratch, judge.device)
                 self.sandbox.watch(deadline)
             sandbox = self.sandbox
+            if first and self.private:  # after the fork: the sandbox stays dumpable, as a fresh process is
+                ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             if baselines_first:
                 if job.stage == "bench":
                     bench_judge, bench_deadline = judge, deadline

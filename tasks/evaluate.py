@@ -19,6 +19,7 @@ from gpu_pool.executors import candidate_session
 from gpu_pool.health import HostFault
 from gpu_pool.local import LocalSession, StageRun
 from gpu_pool.pool import Slot
+from gpu_pool.ssh import SSHSession
 from targets import Target
 from targets.held_out import is_held_out
 from tasks.check import check_stage
@@ -127,7 +128,7 @@ def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Call
 STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microbench_stage}
 
 
-def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float, session: LocalSession | None = None) -> StageRun:
+def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float, session: LocalSession | SSHSession | None = None) -> StageRun:
     return STAGE_TASKS[stage](job, slot, timeout_s, session)
 
 

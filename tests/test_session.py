@@ -17,7 +17,7 @@ import pytest
 from contract.job import Candidate
 from contract.verdict import Verdict
 from gpu_pool.executors import candidate_session, run_stage
-from gpu_pool.local import LocalExecutor, StageRun
+from gpu_pool.local import LocalExecutor, StageRun, signed_reply
 from gpu_pool.pool import Host, Slot
 from targets import Target
 from tasks.evaluate import jobs_for, run_stages
@@ -125,6 +125,9 @@ def test_verdicts_forged_into_the_controllers_pipes_or_files_reach_no_verdict():
     assert (session.status, session.failing_gate.name) == ("fail", "accuracy"), session.to_json()
 
 
+KEY = bytes(range(32))
+
+
 def _session(tmp_path: Path, jobs: dict) -> tuple[subprocess.Popen, socket.socket]:
     (tmp_path / "session.json").write_text(json.dumps({"jobs": {s: j.limited(60).to_json() for s, j in jobs.items()}}))
     ours, theirs = socket.socketpair()
@@ -132,13 +135,20 @@ def _session(tmp_path: Path, jobs: dict) -> tuple[subprocess.Popen, socket.socke
     proc = subprocess.Popen([sys.executable, "-m", "harness", "session", "session.json", "--channel",
                              str(theirs.fileno())], cwd=tmp_path, env=env, pass_fds=(theirs.fileno(),))
     theirs.close()
+    ours.sendall((json.dumps({"key": KEY.hex()}) + "\n").encode())
     return proc, ours
 
 
 def _ask(channel: socket.socket, stage: str) -> Verdict:
     channel.sendall((json.dumps({"stage": stage}) + "\n").encode())
     with channel.makefile("rb") as f:
-        return Verdict.from_json(f.readline().decode())
+        line = f.readline().rstrip(b"\n")
+    text = signed_reply(KEY, line)
+    assert text is not None, line
+    # signed under the session's key, and only so: the same verdict changed, or under another key, is refused
+    assert signed_reply(KEY, line.replace(b'"status": "', b'"status": "x')) is None
+    assert signed_reply(bytes(32), line) is None
+    return Verdict.from_json(text)
 
 
 def test_a_session_runs_its_stages_once_each_in_their_order(tmp_path):
