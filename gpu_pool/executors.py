@@ -5,9 +5,7 @@ import os
 import shlex
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from contract.job import Job
 from contract.serve import EngineCandidate, ServeJob
@@ -41,15 +39,10 @@ assert int(x.sum().item()) == 1 << 20, "a sum of ones on the GPU came out wrong"
 """
 
 
-@contextmanager
-def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> Iterator[LocalSession | SSHSession]:
+def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> LocalSession | SSHSession:
     """One session for a candidate's stages on the slot (gpu_pool/local.py's LocalSession, or over
-    SSH gpu_pool/ssh.py's SSHSession), ended on leaving."""
-    session = LocalExecutor().session(slot, jobs, limits) if slot.host.is_local else SSHSession(slot, jobs, limits)
-    try:
-        yield session
-    finally:
-        session.close()
+    SSH gpu_pool/ssh.py's SSHSession); a context manager that ends it on leaving."""
+    return executor_for(slot).session(slot, jobs, limits)
 
 
 def run_stage(job: Job, slot: Slot, timeout_s: float, session: LocalSession | SSHSession | None = None) -> StageRun:

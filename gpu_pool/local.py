@@ -157,6 +157,12 @@ class LocalSession:
             theirs.close()  # the supervisor holds the other end alone
         self.channel.sendall((json.dumps({"key": self.key.hex()}) + "\n").encode())
 
+    def __enter__(self) -> LocalSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         """The stage's verdict, from the session's supervisor; a crash when it does not come in
         time (the session is then killed) or the supervisor ended without it."""

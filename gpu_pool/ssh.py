@@ -224,7 +224,11 @@ def worker_env(slot: Slot, bundle_dir: str) -> dict[str, str]:
 
 
 class SSHExecutor:
-    """Each stage is a fresh `python -m harness` process group on the host, under a time limit."""
+    """Each stage is a fresh `python -m harness` process group on the host, under a time limit; or
+    a candidate's stages share one (`session`)."""
+
+    def session(self, slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> SSHSession:
+        return SSHSession(slot, jobs, limits)
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         host = slot.host
@@ -342,6 +346,12 @@ class SSHSession:
             self.chan.sendall((json.dumps({"key": self.key.hex()}) + "\n").encode())
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise HostUnreachable(host, f"connection lost starting the harness: {e}") from None
+
+    def __enter__(self) -> SSHSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         """The stage's verdict, from the session's supervisor; a crash when it does not come in

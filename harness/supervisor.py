@@ -124,7 +124,8 @@ class Session:
                 try:
                     measured = self._baselines(bench_judge, bench_deadline, v)
                 finally:
-                    bench_deadline.cancel()
+                    if bench_deadline is not deadline:  # the bench stage's own limit runs on
+                        bench_deadline.cancel()
                 if not measured:
                     v.wall_s = time.perf_counter() - t0
                     return v
