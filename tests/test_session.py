@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from contract.job import Candidate
 from contract.verdict import Verdict
@@ -174,3 +175,27 @@ def test_a_session_runs_its_stages_once_each_in_their_order(tmp_path):
     finally:
         channel.close()
         proc.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_candidates_cuda_state_never_reaches_the_next_on_a_gpu():
+    """On a GPU slot: a candidate that holds device memory and turns torch's device settings on
+    passes in its session; the next candidate's session is a fresh sandbox and CUDA context, where
+    none of it is found. Both in one source, it is found."""
+    from gpu_pool.pool import local_pool
+
+    slot = local_pool().slots()[0]
+    target = Target(model="tiny", dtype="fp32")
+
+    def on_gpu(text: str) -> Verdict:
+        return run_stages(Candidate("rmsnorm", "free", source=text, origin="test"), target, slot,
+                          lambda name, job, s, limit, session: run_stage(job, s, limit, session), Charge(),
+                          session=candidate_session)
+
+    first = on_gpu(source("leaves_cuda_state"))
+    assert (first.status, first.stages) == ("pass", ["compile", "check", "bench"]), first.to_json()
+    second = on_gpu(source("finds_cuda_state"))
+    assert second.status == "pass", second.to_json()
+    both = on_gpu(source("leaves_cuda_state") + "\n" + source("finds_cuda_state"))
+    assert (both.status, both.failing_gate.name) == ("fail", "accuracy"), both.to_json()
