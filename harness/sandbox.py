@@ -8,8 +8,8 @@ so while the supervisor makes its plan), then takes one request a line: the benc
 baselines, measured before the candidate exists in this process (harness/baselines.py) and ended
 by `loading`, then each stage of the candidate's session in turn, each ended by `done`. It notes
 the identity of every timer and harness function and imports the candidate from its scratch
-directory at the first stage, with Triton's and Inductor's caches pointed at its own
-(harness/caches.py); later stages call what it loaded. Everything it finds goes to the supervisor
+directory at each stage afresh (its module's state starts anew, as in a process of its own),
+with Triton's and Inductor's caches pointed at its own (harness/caches.py). Everything it finds goes to the supervisor
 as frames on FD; it decides no verdict — a process that dies or stops reporting is a crash
 there. In the bench stage it waits on stdin before timing each shape, until the supervisor has
 judged what it was sent and left the GPU idle (`settle`), so that no work of the supervisor's
@@ -51,7 +51,7 @@ def main() -> int:
     def settle() -> bool:
         return _settle(send, stdin, next(settles[0]))
 
-    baselines, fn, identities = None, None, None
+    baselines, identities = None, None
     # One request a line: the bench stage's baselines (before the candidate exists in this process),
     # then each stage of the candidate's session in turn. The supervisor ends the session by closing
     # stdin, or by killing this process.
@@ -74,19 +74,21 @@ def main() -> int:
         if job.stage != "bench":  # the bench stage's judge had both at its baselines
             send("isolation", detail=isolation)
             send("loading")
-        if fn is None:
+        if identities is None:  # before any of the candidate's code ran here
             os.environ.update(caches.get("candidate", {}))
             identities = integrity.Identities()
-            try:
-                fn = load(job.candidate, op, Path(os.getcwd()))
-            except Rejected as e:
-                send("gate", name=e.gate, passed=False, detail=e.detail)
-                send("done")
-                return 0
-            except MemoryError as e:
-                send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
-                send("done")
-                return 0
+        # Imported afresh at each stage, as in a process of its own: its module's state (a cache,
+        # a call count) starts anew; what it left elsewhere in this process stays.
+        try:
+            fn = load(job.candidate, op, Path(os.getcwd()))
+        except Rejected as e:
+            send("gate", name=e.gate, passed=False, detail=e.detail)
+            send("done")
+            return 0
+        except MemoryError as e:
+            send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
+            send("done")
+            return 0
         if job.stage == "bench":
             stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
                                patched=identities.changed)

@@ -1,14 +1,16 @@
 # Honest for its first HANG_AFTER calls (set by the test), then never returns: a hang in whichever
-# stage makes that call, its calls counted across the stages of its one sandbox.
+# stage makes that call. Its calls are counted in the `math` module, not its own: each stage
+# imports the candidate afresh, while the process, the one sandbox of its stages, stays.
+import math
+
 import torch
 
 HANG_AFTER = 0
-_calls = [0]
 
 
 def rmsnorm(x, weight, eps):
-    _calls[0] += 1
-    if _calls[0] > HANG_AFTER:
+    calls = vars(math)["_calls"] = vars(math).get("_calls", 0) + 1
+    if calls > HANG_AFTER:
         while True:
             pass
     h = x.float()
