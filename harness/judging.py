@@ -49,14 +49,16 @@ class Judge:
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
-             killed: Callable[[], bool] = lambda: False) -> None:
+             killed: Callable[[], bool] = lambda: False, until: str = "done") -> None:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
         answers a `settle` frame: the sandbox waits for it before it times a shape; False when
         the answer could not be written at once (the answers before it lie unread). `killed`
         says whether the harness killed the sandbox (at the stage's limit, or over its memory): then
-        a frame cut short is the kill's doing, the end of the report and not a fault in it."""
+        a frame cut short is the kill's doing, the end of the report and not a fault in it. `until`:
+        the frame that ends this reading (`loading`: the bench stage's baselines, read before the
+        session's first stage); the sandbox lives on after it unless a gate failed."""
         self._go = go
-        while self.v.status == PASS and not self.done:
+        while self.v.status == PASS and not self.done and until not in self.marks:
             try:
                 frame = read_frame(stream, self.max_payload)
             except ProtocolError as e:
@@ -73,7 +75,8 @@ class Judge:
                 self.v.gate("protocol", False, f"a frame the sandbox never sends ({e}): something in its "
                                                "process wrote to the harness's channel")
                 break
-        stop()
+        if self.v.status != PASS or until not in self.marks:
+            stop()
 
     def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
         kind = header["kind"]
