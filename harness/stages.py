@@ -105,7 +105,8 @@ def prepare_shape(job: Job, op, dev: str, item: dict, send: Send, settle: Callab
     shape = shapes_by_label(job)[item["shape"]]
     dtype = activation_dtype(job.rules.dtype)
     arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
-    method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
+    method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"],
+                           min_reps=timing.MIN_REPS if dev == "cuda" else timing.WALL_MIN_REPS)
     if not settle():
         send("gate", name="protocol", passed=False,
              detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
