@@ -135,7 +135,8 @@ class Kept:
     length is not known when it starts (timing's confidence rule), so the calls kept are the
     first, the last of each round of the rule (the run ends on one) and up to GRAPH_CHECKS
     others held as a uniform sample of the calls so far (reservoir sampling, each call drawn
-    after it returned, from the operating system's entropy). `misfit` names a kept call whose
+    after it returned, from the operating system's entropy); a call on refilled inputs is kept
+    only as such. `misfit` names a kept call whose
     outputs do not fit those buffers.
     With `fresh` (`Refill`), call c (from 1) runs on its set refilled in place with chance 1/c
     (`changes_now`), the set put back after it: the last such call, uniform over the run, is
@@ -166,6 +167,12 @@ class Kept:
     def after(self, c: int, returned, last: bool = False) -> None:
         """After call `c`'s timer stopped: its outputs kept if drawn (`last`: the last call of a
         round of the rule, kept until a later round's replaces it), its inputs put back if refilled."""
+        if self.refilling:  # kept as the refilled call only: its outputs follow the new values
+            if self._copy(c, returned, self.refilled_out):
+                self.refilled = c
+            self.refill.take_out()
+            self.refilling = False
+            return
         if c == 0:
             self._copy(c, returned, self.first)
         elif self.slots:
@@ -175,11 +182,6 @@ class Kept:
                 self.slot_calls[j] = c if self._copy(c, returned, self.slots[j]) else -1
         if last and self._copy(c, returned, self.last):
             self.last_call = c
-        if self.refilling:
-            if self._copy(c, returned, self.refilled_out):
-                self.refilled = c
-            self.refill.take_out()
-            self.refilling = False
 
     def _copy(self, c: int, returned, into: tuple) -> bool:
         outs = returned if isinstance(returned, (tuple, list)) else (returned,)

@@ -199,22 +199,31 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method,
     launch gaps then count against it — and `fallback` says why; so is every later graph timing
     of the process, whoever it times. `fresh` (the candidate's timings): new values for the
     arguments it does not leave None, put in place of one input set's inside the run (`Refill`)."""
+    return timings(fn, arg_sets, method, [fresh])[0]
+
+
+def timings(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method, fresh: list) -> list[Timed]:
+    """One timing (`median_us`) per entry of `fresh`, each with its own refill values (or None).
+    By graph, one capture serves them all: each timing has its own replays, its own confidence
+    rule, its own refilled set and its own judged outputs (NaN-filled again before it), and the
+    candidate's code runs once per input set, not once per timing. Events and the wall clock time
+    each anew."""
     global _graphs_off
     if method.device != "cuda":
-        return _timed(_cpu_median_us(fn, arg_sets, method, fresh), "wall")
+        return [_timed(_cpu_median_us(fn, arg_sets, method, f), "wall") for f in fresh]
     if not method.graph:
-        return _timed(_events_median_us(fn, arg_sets, method, fresh), "events")
+        return [_timed(_events_median_us(fn, arg_sets, method, f), "events") for f in fresh]
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
         try:
-            us, outputs, reused, refilled, reps, held = _graph_median_us(fn, arg_sets, method, fresh)
-            return Timed(us, "graph", outputs=outputs, reused=reused, refilled=refilled, reps=reps, steady=held)
+            return [Timed(us, "graph", outputs=outputs, reused=reused, refilled=refilled, reps=reps, steady=held)
+                    for us, outputs, reused, refilled, reps, held in _graph_median_us(fn, arg_sets, method, fresh)]
         except Exception as e:  # not capturable; if it fails outside a graph too, that error goes on
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return _timed(_events_median_us(fn, arg_sets, method, fresh), "events", fallback=why)
+    return [_timed(_events_median_us(fn, arg_sets, method, f), "events", fallback=why) for f in fresh]
 
 
 def _timed(kept: Kept, how: str, fallback: str = "") -> Timed:
@@ -319,20 +328,21 @@ def _events_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) 
     return kept
 
 
-def _graph_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None
-                     ) -> tuple[float, dict, str, int, int, bool]:
+def _graph_median_us(fn, arg_sets, method: Method, fresh: list) -> list[tuple[float, dict, str, int, int, bool]]:
     """Capture one call per input set in a graph; the time per call is a replay over the sets.
-    Also returns copies of what some captured calls returned, as the last replay left them (NaN
-    before it: an output the graph never writes reads as NaN) — the work that was timed, for the
-    judge: the first set's, the last's, and up to GRAPH_CHECKS others drawn after the last replay
-    (`checked_sets`), so that a function doing less while captured, on however few of the sets,
-    cannot know which of them will be looked at. And `reused`: which captured calls returned
-    storage a later one returned too (then nothing is kept: their values cannot be checked). With
-    `fresh`, one input set drawn after capture is refilled in place between timed replays and the
-    run ends on its new values (`Toggle`: the last change falls on a replay uniform over the run,
-    however many the confidence rule asks for): a captured call reads its inputs when replayed, so
-    its outputs must follow them (`refilled`: that set; its values are put back afterwards). Also
-    the replays timed and whether the confidence rule held (`until_steady`)."""
+    One timing per entry of `fresh`, of the one capture. Each also returns copies of what some
+    captured calls returned, as its last replay left them (NaN before its first: an output the
+    graph never writes reads as NaN) — the work that was timed, for the judge: the first set's,
+    the last's, and up to GRAPH_CHECKS others drawn after its last replay (`checked_sets`), so
+    that a function doing less while captured, on however few of the sets, cannot know which of
+    them will be looked at. And `reused`: which captured calls returned storage a later one
+    returned too (then nothing is kept: their values cannot be checked). With new values (an
+    entry of `fresh` not None), one input set drawn after capture is refilled in place between
+    timed replays and the run ends on its new values (`Toggle`: the last change falls on a replay
+    uniform over the run, however many the confidence rule asks for): a captured call reads its
+    inputs when replayed, so its outputs must follow them (`refilled`: that set; its values are
+    put back afterwards). Also the replays timed and whether the confidence rule held
+    (`until_steady`)."""
     side = torch.cuda.Stream()
     side.wait_stream(_current_stream())
     with torch.cuda.stream(side):  # warm on a side stream, as capture requires
@@ -349,42 +359,44 @@ def _graph_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None
         raise
     every = [tensors(r) for r in returned]
     reused = reused_storage(every)
-    for outs in every:
-        for t in outs:
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-    est = _estimate_ms(lambda: _replay(graph))  # noqa: F821 (deleted below, after the lambda ran)
-    for _ in range(max(1, int(method.warmup_ms / est))):
-        _replay(graph)
-    cap = max(method.min_reps, min(500, int(method.rep_ms / est)))
-    refilled = -1 if fresh is None or reused else refill_point(len(arg_sets) + 1) - 1
-    toggle = Toggle(Refill(fresh, arg_sets[refilled])) if refilled >= 0 else None
-    stream = _current_stream()
-    _synchronize()
+    stream, results, est = _current_stream(), [], 0.0
+    for new_values in fresh:
+        for outs in every:
+            for t in outs:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        if not est:
+            est = _estimate_ms(lambda: _replay(graph))  # noqa: F821 (deleted below, after the lambda ran)
+            for _ in range(max(1, int(method.warmup_ms / est))):
+                _replay(graph)  # noqa: F821
+        cap = max(method.min_reps, min(500, int(method.rep_ms / est)))
+        refilled = -1 if new_values is None or reused else refill_point(len(arg_sets) + 1) - 1
+        toggle = Toggle(Refill(new_values, arg_sets[refilled])) if refilled >= 0 else None
+        _synchronize()
 
-    def run(first: int, n: int) -> list:
-        starts, ends = _events(n), _events(n)
-        for r, (s, e) in enumerate(zip(starts, ends), first):
-            if toggle is not None:
-                toggle.before(r)  # a change of the refilled set's values, queued before the start event
-            _record(s, stream)
-            _replay(graph)  # noqa: F821 (deleted below, after the last run)
-            _record(e, stream)
-        _wait_event(ends[-1])
-        return [_elapsed(s, e) for s, e in zip(starts, ends)]
+        def run(first: int, n: int) -> list:
+            starts, ends = _events(n), _events(n)
+            for r, (s, e) in enumerate(zip(starts, ends), first):
+                if toggle is not None:  # noqa: B023 (called in this iteration only)
+                    toggle.before(r)  # noqa: B023 (a change of the refilled set's values, before the start event)
+                _record(s, stream)
+                _replay(graph)  # noqa: F821 (deleted below, after the last run)
+                _record(e, stream)
+            _wait_event(ends[-1])
+            return [_elapsed(s, e) for s, e in zip(starts, ends)]
 
-    times, held = until_steady(run, cap, method.min_reps)
-    if toggle is not None and not toggle.on:  # the last change took the new values out: put them back
-        toggle.flip()
-        times += run(len(times), 1)
-    _synchronize()
-    per_replay_ms = median(times)
-    picked = [] if reused else sorted({*checked_sets(len(every)), refilled} - {-1})  # drawn now that it has run
-    outputs = {j: tuple(t.clone() for t in every[j]) for j in picked}
-    if toggle is not None:
-        toggle.refill.take_out()
+        times, held = until_steady(run, cap, method.min_reps)
+        if toggle is not None and not toggle.on:  # the last change took the new values out: put them back
+            toggle.flip()
+            times += run(len(times), 1)
+        _synchronize()
+        picked = [] if reused else sorted({*checked_sets(len(every)), refilled} - {-1})  # drawn now that it has run
+        outputs = {j: tuple(t.clone() for t in every[j]) for j in picked}
+        if toggle is not None:
+            toggle.refill.take_out()
+        results.append((median(times) * 1e3 / len(arg_sets), outputs, reused, refilled, len(times), held))
     del graph, returned, every
-    return per_replay_ms * 1e3 / len(arg_sets), outputs, reused, refilled, len(times), held
+    return results
 
 
 def _end_failed_capture(graph, capture, before) -> None:

@@ -556,11 +556,12 @@ def _probe_frame(judge, phase: str, j: int) -> bytes:
     """The first shape's `phase` probe output (timed or refill) of input set j, right."""
     from engine_templates.ops import get_op
     from engine_templates.ops.base import generator
+    from harness.stages import refill_seed
 
     op, spec, shape = get_op("rmsnorm"), judge.plan["shapes"][0], judge.shapes["decode_b1"]
     args = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
     if phase == "refill":
-        fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["refill"][j]), "normal")
+        fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", refill_seed(spec, j)), "normal")
         args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                      for i, a in enumerate(args))
     return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")

@@ -172,3 +172,49 @@ def test_a_refill_moves_to_another_set_and_puts_that_one_back():
     assert torch.equal(b[0], fresh[0]) and torch.equal(a[0], torch.zeros(3))
     refill.take_out()
     assert torch.equal(b[0], torch.ones(3))
+
+
+def test_the_refill_probe_draws_and_refills_only_the_sets_it_probes():
+    """The probes call the candidate on the first and the last input set, as timed and refilled:
+    only those two are drawn anew and refilled, and the plan holds a seed for each of them only."""
+    from contract.job import Shape
+    from engine_templates.ops import get_op
+    from engine_templates.ops.base import generator
+    from harness.stages import _probe, probed_sets, refill_seed
+
+    op, shape = get_op("rmsnorm"), Shape("s", {"tokens": 3, "hidden": 16})
+    item = {"shape": "s", "sets": [11, 12, 13, 14], "refill": [21, 24]}
+    sets = [op.inputs(shape, torch.float32, "cpu", generator("cpu", s), "normal") for s in item["sets"]]
+    before = [tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in s) for s in sets]
+    sent = []
+    assert _probe(op, op.eager, sets, shape, item, 0, torch.float32, "cpu", lambda *a, **k: sent.append(k["item"]))
+    assert probed_sets(4) == [0, 3] and probed_sets(1) == [0]
+    assert sent == ["bench/0/timed/0", "bench/0/timed/3", "bench/0/refill/0", "bench/0/refill/3"]
+    for j in (1, 2):
+        assert torch.equal(sets[j][0], before[j][0])
+    for j, seed in ((0, 21), (3, 24)):
+        assert refill_seed(item, j) == seed
+        new = op.inputs(shape, torch.float32, "cpu", generator("cpu", seed), "normal")
+        assert torch.equal(sets[j][0], new[0]) and torch.equal(sets[j][1], before[j][1])  # the weight persists
+    with pytest.raises(ValueError):
+        refill_seed(item, 1)
+
+
+def test_calls_on_refilled_inputs_are_kept_only_as_refilled(clock):
+    """Every kept call but the refilled one ran on its set's own values: the judge checks each
+    kept call against its set's seed, and the refilled one against the new values."""
+    sets = [(torch.randn(8),) for _ in range(3)]
+    own, fresh = [s[0].clone() for s in sets], (torch.randn(8),)
+
+    calls = []
+
+    def doubles(x):
+        calls.append(1)
+        clock.spend((1.0, 1.5)[len(calls) % 2])  # never steady: the run goes to its cap
+        return x * 2
+
+    for _ in range(5):
+        timed = timing.median_us(doubles, sets, timing.Method("cpu", 0, 10_000), fresh)
+        assert timed.reps == 50 and timed.refilled >= 1
+        for c, (out,) in timed.outputs.items():
+            assert torch.equal(out, (fresh[0] if c == timed.refilled else own[c % 3]) * 2), c
