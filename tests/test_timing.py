@@ -218,3 +218,56 @@ def test_calls_on_refilled_inputs_are_kept_only_as_refilled(clock):
         assert timed.reps == 50 and timed.refilled >= 1
         for c, (out,) in timed.outputs.items():
             assert torch.equal(out, (fresh[0] if c == timed.refilled else own[c % 3]) * 2), c
+
+
+def test_outputs_cross_the_channel_bit_for_bit_and_a_cut_payload_is_named():
+    """The sandbox's Sender writes each tensor from its own memory, the judge reads it straight
+    into the buffer its tensor is made of: the same bits arrive, larger than a pipe holds, in any
+    dtype; a payload the stream ends inside is a CutOff."""
+    import io
+    import os
+    import threading
+
+    from harness.channel import CutOff, Sender, read_frame
+
+    big = torch.randn(3, 100_000).to(torch.bfloat16)  # 600 KB: more than a pipe's buffer
+    sent = (big, torch.arange(7, dtype=torch.int32), torch.empty(0), torch.tensor(2.5, dtype=torch.float64))
+    r, w = os.pipe()
+    sender = Sender(w)
+    writer = threading.Thread(target=lambda: (sender.send("outputs", sent, item="check/0"), sender._f.close()))
+    writer.start()
+    with io.BufferedReader(io.FileIO(r, "rb")) as stream:
+        header, got = read_frame(stream, 1 << 24)
+        assert read_frame(stream, 1 << 24) is None
+    writer.join()
+    assert header["item"] == "check/0" and len(got) == len(sent)
+    for a, b in zip(sent, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    whole = io.BytesIO()
+    whole.write(b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "nbytes": [16]}\n' + b"\0" * 9)
+    whole.seek(0)
+    with pytest.raises(CutOff):
+        read_frame(whole, 1 << 10)
+
+
+def test_the_judge_counts_what_is_not_finite_and_measures_the_error_in_float64():
+    from engine_templates.ops import get_op
+    from harness.checks import judge, rel_error
+
+    op = get_op("silu_mul")
+    gate, up = torch.randn(4, 32), torch.randn(4, 32)
+    ref = op.reference(gate, up)
+    right = ref.to(torch.float32)
+    assert judge(op, [right], (gate, up), 1e-6).ok
+    off = right.clone()
+    off[0, 0] += 1.0
+    expected = float((off.double() - ref).norm() / ref.norm())
+    result = judge(op, [off], (gate, up), 1e-6)
+    assert (result.ok, result.gate) == (False, "accuracy") and result.rel_error == pytest.approx(expected, rel=1e-12)
+    assert rel_error(off, ref) == pytest.approx(expected, rel=1e-12)
+    holes = right.clone()
+    holes[1, :3] = float("nan")
+    holes[2, 0] = float("inf")
+    result = judge(op, [holes], (gate, up), 1e-2)
+    assert (result.ok, result.gate) == (False, "finite")
+    assert result.detail == "output has 4 of 128 elements NaN or Inf (unwritten output reads as NaN)"
