@@ -110,7 +110,9 @@ def check_timing(header: dict) -> None:
     ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
           and all(is_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat"))
           and isinstance(header.get("method"), str)
-          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
+          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int
+          and isinstance(header.get("reps", []), list) and all(type(n) is int for n in header.get("reps", []))
+          and isinstance(header.get("steady", []), list) and all(type(b) is bool for b in header.get("steady", [])))
     if not ok:
         raise ProtocolError(f"a timing frame {brief(header)}")
 

@@ -152,6 +152,7 @@ class Judge:
                 return
             roof, nbytes, flops = self.roofline[header["label"]]
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "method")}
+            fields |= {k: header[k][:2] for k in ("reps", "steady") if k in header}
             base = self.book.shapes[header["label"]]  # measured before the candidate loaded
             fields |= {"eager_us": base["eager_us"], "compile_us": base["compile_us"]}
             l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0

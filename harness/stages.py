@@ -182,7 +182,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
                             f"the timer stops (timings: {cand.how} {cand_us:.1f} us, {cand_2.how} {cand_us_2:.1f} us)")
                 return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
-             sets=len(arg_sets),
+             sets=len(arg_sets), reps=[cand.reps, cand_2.reps], steady=[cand.steady, cand_2.steady],
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
         for run, timed in ((cand.how, cand), (f"{cand_2.how}-repeat", cand_2)):  # what timed calls returned
             # the call on refilled inputs first: a result cached on pointer is named where it went stale
