@@ -185,8 +185,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
              sets=len(arg_sets), reps=[cand.reps, cand_2.reps], steady=[cand.steady, cand_2.steady],
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
         for run, timed in ((cand.how, cand), (f"{cand_2.how}-repeat", cand_2)):  # what timed calls returned
-            # the call on refilled inputs first: a result cached on pointer is named where it went stale
-            for c, outs in sorted(timed.outputs.items(), key=lambda kv: kv[0] != timed.refilled):
+            for c, outs in timed.outputs.items():
                 send("outputs", list(outs), item=f"bench/{k}/{run}{'-refilled' if c == timed.refilled else ''}/{c}")
         if not _probe(op, fn, arg_sets, shape, item, k, dtype, dev, send):
             return
