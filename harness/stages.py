@@ -133,10 +133,11 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
                 settle: Callable[[], bool] = lambda: True,
                 patched: Callable[[], list[str]] = lambda: []) -> None:
     """Per shape the candidate twice, timed on the same rotated input sets (drawn again from the
-    same seeds; by graph, of one capture: timing.timings), and the probes. `baselines`: per shape (eager, torch.compile or None), measured
-    before the candidate was loaded (harness/baselines.py), so that nothing the candidate does to
-    the process reaches them: a capture that fails leaves later graph timings of the process to
-    events, and were that the baselines' too, a candidate could choose how torch.compile is timed.
+    same seeds; by graph, of one capture: timing.timings), and the probes. `baselines`: per shape
+    (eager, torch.compile or None), measured before the candidate was loaded (harness/baselines.py),
+    so that nothing the candidate does to the process reaches them: a capture that fails leaves
+    later graph timings of the process to events, and were that the baselines' too, a candidate
+    could choose how torch.compile is timed.
     `settle` returns once the supervisor has judged every output sent so far and its own GPU work
     has finished (False: the answer never came right), so that nothing of the supervisor's runs on
     the GPU while this process times. `patched` names the timers and harness functions the

@@ -19,8 +19,8 @@ _copy, _empty_like, _clone = torch.Tensor.copy_, torch.empty_like, torch.Tensor.
 
 # Of a timed run's calls, the judge checks the first, the last and this many others drawn at
 # random: for a graph once it has run, for events and the wall clock as a uniform sample of the
-# calls, each drawn after it returned (their outputs are copied as they come). A function that skips work on a share f of the calls it is
-# timed on escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
+# calls, each drawn after it returned (their outputs are copied as they come). A function that
+# skips work on a share f of the calls it is timed on escapes both timings' draws with chance (1 - f)^64: under 0.3% for f = 9%, the least a
 # 10% gain needs.
 GRAPH_CHECKS = 32
 # What the copies of an events or wall-clock run's checked outputs may take, per run: a call whose
@@ -111,8 +111,8 @@ def changes_now(r: int) -> bool:
 class Toggle:
     """A graph run's in-place refill (`Refill`) when its length is not known in advance: the set's
     new values are put in or taken out before each repetition `changes_now` picks, and the run
-    ends on the new values (`settle`: one more change, before one more repetition, when the last
-    took them out). Whatever the candidate skips from some replay on, the last change falls
+    ends on the new values (the timing flips them in once more, before one more replay, when the
+    last change took them out). Whatever the candidate skips from some replay on, the last change falls
     there with the chance of the share it skipped, and the outputs after the last replay must
     follow the new values."""
 
