@@ -114,15 +114,29 @@ def test_verdicts_forged_into_the_controllers_pipes_or_files_reach_no_verdict():
     """A candidate that writes passing verdicts where a stage's harness writes its own, and an exit
     status and passing verdicts into every pipe of the controller's process, fails the check stage
     all the same, in a session and in stages of their own: the session's channel and a stage's
-    exit status are sockets, which no other process can open through /proc."""
-    forged = source("forges_verdicts")
-    executor, jobs = LocalExecutor(), jobs_for(Candidate("rmsnorm", "free", source=forged, origin="test"), TARGET,
-                                               CPU_SLOT)
-    compiled = executor.run(jobs["compile"], CPU_SLOT, 120).verdict
-    checked = executor.run(jobs["check"], CPU_SLOT, 120).verdict
+    exit status are sockets, which no other process can open through /proc. The controller is a
+    process of its own here, so that what the candidate writes into its pipes reaches no pipe of
+    the test runner's."""
+    controller = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_session import CPU_SLOT, TARGET, evaluate, source
+from contract.job import Candidate
+from gpu_pool.local import LocalExecutor
+from tasks.evaluate import jobs_for
+forged = source("forges_verdicts")
+executor, jobs = LocalExecutor(), jobs_for(Candidate("rmsnorm", "free", source=forged, origin="test"), TARGET, CPU_SLOT)
+compiled = executor.run(jobs["compile"], CPU_SLOT, 120).verdict
+checked = executor.run(jobs["check"], CPU_SLOT, 120).verdict
+session, _ = evaluate(forged)
+print(json.dumps([v.to_json() for v in (compiled, checked, session)]))
+"""
+    done = subprocess.run([sys.executable, "-c", controller], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled, checked, session = (Verdict.from_json(t) for t in json.loads(done.stdout.strip().splitlines()[-1]))
     assert (compiled.status, checked.status, checked.failing_gate.name) == ("pass", "fail", "accuracy"), \
         checked.to_json()
-    session, _ = evaluate(forged)
     assert (session.status, session.failing_gate.name) == ("fail", "accuracy"), session.to_json()
 
 
