@@ -32,6 +32,9 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau
             raise UsageError(f"{args.serving}: not valid YAML or JSON ({str(e).splitlines()[0]})") from None
         if not isinstance(loaded, dict):
             raise UsageError(f"{args.serving}: expected a mapping of serving settings (traffic, accuracy, ...)")
+        image_keys = {"image_size", "prompts_per_image"}
+        if any(isinstance(t, dict) and image_keys & set(t) for t in loaded.get("traffic") or []):
+            raise UsageError(f"{args.serving} is a serving file of the image stage; {args.model} is a text model")
         serving |= loaded
     if args.baseline:
         serving["baseline"] = args.baseline

@@ -101,11 +101,17 @@ def test_text_stage_options_on_a_vision_target_are_one_line_and_exit_2(checkpoin
     assert len(err.splitlines()) == 1 and says in err, err
 
 
-def test_a_text_checkpoint_for_a_vision_target_and_optimize_engine_on_one_are_one_line(tmp_path, checkpoint, capsys):
+def test_a_text_checkpoint_for_a_vision_target_and_optimize_engine_on_one_are_one_line(tmp_path, checkpoint, capsys,
+                                                                                      serving):
     from tiny_checkpoints import checkpoint as text_checkpoint
 
     assert main(["serve-bench", "--model-dir", str(text_checkpoint("dense")), "--model", "sam3-tiny"]) == 2
     assert "not SAM 3's (model_type sam3)" in capsys.readouterr().err
+    # and the other way: the image stage's serving file for a text model
+    assert main(["serve-bench", "--model-dir", str(text_checkpoint("dense")), "--model", "tiny",
+                 "--serving", str(serving)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a serving file of the image stage; tiny is a text model" in err, err
     assert main(["optimize-engine", "--model-dir", str(checkpoint)]) == 2  # --model read from the checkpoint
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "optimize-engine searches the text engine" in err, err
