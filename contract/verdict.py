@@ -45,6 +45,10 @@ class ShapeTiming:
     # were capped at timing.ROTATION_CAP), repeats may have been served from the L2, for candidate
     # and baselines alike.
     l2_cover: float = 0.0
+    # Per candidate timing (first, repeat): the repetitions timed, and whether the confidence rule
+    # stopped them (the median known within 0.5%) before the time cap (harness.timing.until_steady).
+    reps: list[int] = field(default_factory=list)
+    steady: list[bool] = field(default_factory=list)
 
     @property
     def spread(self) -> float:

@@ -1,10 +1,11 @@
 """`infersmith gauntlet`: both suites of gauntlet/ on one slot of a pool, as a table.
 
 Each case runs through the same stages as any candidate (compile → check → bench, stopping
-at the first that does not pass) on the same executor, so the table proves the gates of
+at the first that does not pass, in one session of a supervisor and a sandbox) on the same executor, so the table proves the gates of
 the host it ran on. Red-team cases are cheap: most stop at screening or in the check stage.
 
-With `jobs` > 1, that many cases run at once on the one slot, but never two bench stages:
+With `jobs` > 1, that many cases run at once on the one slot, but never two bench stages (each
+with its session's first stage, where the baselines are measured):
 timing, the speed-of-light gate and the hidden-work cross-check see the GPU as a lone
 candidate would; and each case may allocate only its share (1/jobs) of the device memory a
 lone candidate may, so that one case's allocations never fail another's. A case marked
@@ -28,7 +29,7 @@ from gpu_pool.baselines import Baselines
 from gpu_pool.executors import LocalExecutor, SSHExecutor, executor_for
 from gpu_pool.pool import Slot
 from targets import Target, is_tiny
-from tasks.evaluate import run_stages
+from tasks.evaluate import jobs_for, run_stages
 from tracking.ledger import Charge
 
 
@@ -90,23 +91,26 @@ def shape_dims(op: str, moe: str, windowed: str, target: Target) -> set[str]:
 
 def run_case(case: Case, target: Target, slot: Slot, executor: LocalExecutor | SSHExecutor | None = None,
              bench_lock: threading.Lock | None = None, share: int = 1, baselines: Baselines | None = None) -> Row:
-    """One case through the pipeline, on `executor` (default: the slot's own); its bench stage
-    holds `bench_lock` when one is given; it may allocate 1/`share` of the usual device memory.
+    """One case through the pipeline, its stages in one session on `executor` (default: the slot's
+    own); its bench stage, and its first (where the session measures the bench stage's baselines),
+    hold `bench_lock` when one is given; it may allocate 1/`share` of the usual device memory.
     `baselines`: the run's, shared by its cases (gpu_pool/baselines.py)."""
     target = target_for(case, target)
     executor = executor or executor_for(slot)
+    # The runaway cases prove the memory limit with a smaller one; no gate reads the torch.compile
+    # baseline, and compiling it is most of a bench stage.
+    jobs = {stage: replace(job, rules=replace(job.rules, memory_mb=case.memory_mb or job.rules.memory_mb,
+                                              compile_baseline=False,
+                                              gpu_memory_fraction=job.rules.gpu_memory_fraction / share))
+            for stage, job in jobs_for(case.candidate(), target, slot).items()}
 
-    def run_stage(stage: str, job, slot: Slot, timeout_s: float):
-        # The runaway cases prove the memory limit with a smaller one; no gate reads the
-        # torch.compile baseline, and compiling it is most of a bench stage.
-        job = replace(job, rules=replace(job.rules, memory_mb=case.memory_mb or job.rules.memory_mb,
-                                         compile_baseline=False,
-                                         gpu_memory_fraction=job.rules.gpu_memory_fraction / share))
-        with bench_lock if bench_lock is not None and stage == "bench" else nullcontext():
-            return executor.run(job, slot, timeout_s)
+    def run_stage(stage: str, job, slot: Slot, timeout_s: float, session):
+        # The session measures the bench stage's baselines in its first stage: the lock holds both.
+        with bench_lock if bench_lock is not None and stage in ("bench", next(iter(jobs))) else nullcontext():
+            return session.run(job, slot, timeout_s)
 
     charge = Charge()
-    verdict = run_stages(case.candidate(), target, slot, run_stage, charge, baselines=baselines)
+    verdict = run_stages(case.candidate(), target, slot, run_stage, charge, jobs, baselines, executor.session)
     return Row(case, verdict, charge.gpu_seconds)
 
 

@@ -11,9 +11,9 @@ from contract.images import ImageServeJob
 from contract.job import Job
 from contract.serve import EngineCandidate, ServeJob
 from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
-from gpu_pool.local import LocalExecutor, StageRun
+from gpu_pool.local import LocalExecutor, LocalSession, StageRun
 from gpu_pool.pool import Slot
-from gpu_pool.ssh import SSHExecutor, connect, run_command
+from gpu_pool.ssh import SSHExecutor, SSHSession, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
 from harness.serve import images, stage
 
@@ -40,11 +40,17 @@ assert int(x.sum().item()) == 1 << 20, "a sum of ones on the GPU came out wrong"
 """
 
 
-def run_stage(job: Job, slot: Slot, timeout_s: float) -> StageRun:
-    """The stage's run; a HostFault when the host failed: unreachable, dropped, or its GPU fails
+def candidate_session(slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> LocalSession | SSHSession:
+    """One session for a candidate's stages on the slot (gpu_pool/local.py's LocalSession, or over
+    SSH gpu_pool/ssh.py's SSHSession); a context manager that ends it on leaving."""
+    return executor_for(slot).session(slot, jobs, limits)
+
+
+def run_stage(job: Job, slot: Slot, timeout_s: float, session: LocalSession | SSHSession | None = None) -> StageRun:
+    """The stage's run, in `session` when given; a HostFault when the host failed: unreachable, dropped, or its GPU fails
     the pool's device check after a crash whose output names a GPU error. That output is partly
     the candidate's, which may print anything: it only decides whether the device is asked."""
-    run = executor_for(slot).run(job, slot, timeout_s)
+    run = (session or executor_for(slot)).run(job, slot, timeout_s)
     if slot.gpu is not None and gpu_fault_in(run.verdict):
         fault = device_fault(slot)
         if fault:

@@ -2,7 +2,9 @@
 
 Remote layout under the host's workdir: `bundles/<digest>/` (harness/ and engine_templates/,
 unpacked once per digest) and `runs/<candidate>-<stage>-<nonce>/` (job.json, verdict.json,
-logs, and the stage's session id, removed after the stage).
+logs, and the stage's session id, removed after the stage), or, for a candidate's session of
+stages (`SSHSession`), `runs/<candidate>-session-<nonce>/` (session.json, logs, the session id,
+removed when it ends).
 
 The bundle travels over SFTP, or, when INFERSMITH_S3_URI names a bucket, through it: uploaded
 once per content under `bundles/<digest>.tgz`, and fetched by the host with a presigned link
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import getpass
 import io
+import json
 import shlex
 import socket
 import time
@@ -23,9 +26,10 @@ from typing import TYPE_CHECKING
 import paramiko
 
 from contract.job import Job
+from contract.verdict import PASS
 from gpu_pool.bundle import Bundle, current_bundle
 from gpu_pool.health import HostFault, HostUnreachable
-from gpu_pool.local import StageRun, verdict_from
+from gpu_pool.local import StageRun, session_key, signed_reply, verdict_from
 from gpu_pool.pool import Host, Slot
 from object_store import ObjectStoreError, store_from_env
 
@@ -220,7 +224,11 @@ def worker_env(slot: Slot, bundle_dir: str) -> dict[str, str]:
 
 
 class SSHExecutor:
-    """Each stage is a fresh `python -m harness` process group on the host, under a time limit."""
+    """Each stage is a fresh `python -m harness` process group on the host, under a time limit; or
+    a candidate's stages share one (`session`)."""
+
+    def session(self, slot: Slot, jobs: dict[str, Job], limits: dict[str, float]) -> SSHSession:
+        return SSHSession(slot, jobs, limits)
 
     def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
         host = slot.host
@@ -290,3 +298,157 @@ class SSHExecutor:
             raise HostUnreachable(host, f"connection lost fetching the verdict: {e}") from None
         run_command(client, host, f"rm -rf {shlex.quote(scratch)}")
         return verdict, log
+
+
+class SSHSession:
+    """One candidate's stages in one `python -m harness session` on the slot's host
+    (harness/__main__.py), over one SSH connection: started at the first stage, asked for each
+    stage in turn on the connection's stdin, its verdicts read from the connection's stdout, which
+    the supervisor moves to descriptors the sandbox never inherits (its own stdout goes to a log),
+    and believed only as signed with the key the supervisor read before its sandbox existed: the
+    shell and timeout(1) above the supervisor hold the connection too, and are not private.
+    It ends after the last stage or the first that does not pass; `close` ends it in any case, and
+    removes its directory on the host. A connection that drops is a HostUnreachable."""
+
+    def __init__(self, slot: Slot, jobs: dict[str, Job], limits: dict[str, float]):
+        self.slot, self.limits = slot, limits
+        self.jobs = {stage: job.limited(limits[stage]) for stage, job in jobs.items()}
+        self.client: paramiko.SSHClient | None = None
+        self.chan: paramiko.Channel | None = None
+        self.scratch = ""
+        self._replies = b""
+        self.key = session_key()
+        self.ended = False
+
+    def _start(self) -> None:
+        host, q = self.slot.host, shlex.quote
+        self.client = connect(host)
+        workdir = workdir_of(self.client, host)
+        bundle_dir, _ = ensure_bundle(self.client, host, workdir)
+        candidate = next(iter(self.jobs.values())).candidate
+        self.scratch = f"{workdir}/runs/{candidate.id}-session-{uuid.uuid4().hex[:8]}"
+        run_command(self.client, host, f"mkdir -p {q(self.scratch)}")
+        spec = json.dumps({"jobs": {s: j.to_json() for s, j in self.jobs.items()}})
+        try:
+            with self.client.open_sftp() as sftp:
+                sftp.putfo(io.BytesIO(spec.encode()), f"{self.scratch}/session.json")
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostUnreachable(host, f"connection lost sending the session's jobs: {e}") from None
+        env = " ".join(f"{k}={q(v)}" for k, v in worker_env(self.slot, bundle_dir).items())
+        total = sum(self.limits.values()) + self.limits.get("bench", 0.0) + REMOTE_GRACE_S
+        # The connection's stdin and stdout become the supervisor's descriptors 3 and 4; its own
+        # stdin, stdout and stderr (the sandbox's too) are /dev/null and the logs.
+        inner = (f"echo $$ > sid; env {env} timeout -s KILL {total:.0f} {host.python} -m harness session "
+                 f"session.json --requests 3 --replies 4 3<&0 4>&1 </dev/null >stdout.log 2>stderr.log; exit $?")
+        try:
+            self.chan = self.client.get_transport().open_session()
+            self.chan.exec_command(f"cd {q(self.scratch)} && exec setsid -w sh -c {q(inner)}")
+            self.chan.sendall((json.dumps({"key": self.key.hex()}) + "\n").encode())
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostUnreachable(host, f"connection lost starting the harness: {e}") from None
+
+    def __enter__(self) -> SSHSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def run(self, job: Job, slot: Slot, timeout_s: float) -> StageRun:
+        """The stage's verdict, from the session's supervisor; a crash when it does not come in
+        time (the session is then killed) or the supervisor ended without it."""
+        t0 = time.monotonic()
+        first = self.client is None
+        job = job.limited(timeout_s)
+        if self.jobs.get(job.stage) != job:
+            raise ValueError(f"the {job.stage} job is not the one this session was opened with")
+        text, rc, log = None, -1, ""
+        if not self.ended:
+            if first:
+                self._start()
+            bench_first = first and "bench" in self.jobs and job.stage != "bench"
+            text, rc = self._ask(job.stage, timeout_s + (self.limits["bench"] if bench_first else 0.0))
+            log = self._log_tail()
+        held = time.monotonic() - t0
+        verdict = verdict_from(job, text, rc, timeout_s, log)
+        if text is not None and (verdict.stages != [job.stage] or verdict.candidate_id != job.candidate.id):
+            verdict = verdict_from(job, None, 1, timeout_s, f"the session replied for {verdict.stages} of "
+                                                            f"{verdict.candidate_id!r}")
+        verdict.phases[f"{job.stage}/start"] = max(0.0, held - verdict.wall_s) if text else 0.0
+        if text is None or verdict.status != PASS:
+            self.close()
+        return StageRun(verdict, slot, held)
+
+    def _ask(self, stage: str, wait_s: float) -> tuple[str | None, int | None]:
+        host = self.slot.host
+        try:
+            self.chan.sendall((json.dumps({"stage": stage}) + "\n").encode())
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            if not self.client.get_transport().is_active():
+                raise HostUnreachable(host, f"connection lost asking for the {stage} stage: {e}") from None
+            return None, self._ended_code()
+        deadline = time.monotonic() + wait_s
+        while b"\n" not in self._replies:
+            if not self.client.get_transport().is_active():
+                raise HostUnreachable(host, "connection dropped while the harness ran")
+            if time.monotonic() > deadline:
+                self._kill()
+                return None, None
+            if self.chan.recv_ready():
+                chunk = self.chan.recv(1 << 16)
+                if not chunk:
+                    return None, self._ended_code()
+                self._replies += chunk
+            elif self.chan.exit_status_ready() and not self.chan.recv_ready():
+                return None, self._ended_code()
+            else:
+                time.sleep(POLL_S / 10)
+        line, self._replies = self._replies.split(b"\n", 1)
+        text = signed_reply(self.key, line)
+        if text is None:  # not the supervisor's: the shell and timeout(1) above it hold the connection too
+            self._kill()
+            return None, 1
+        return text, 0
+
+    def _ended_code(self) -> int:
+        self.ended = True
+        if not self.chan.status_event.wait(30):
+            self._kill()
+            return -9
+        rc = self.chan.recv_exit_status()
+        return -(rc - 128) if rc > 128 else rc
+
+    def _kill(self) -> None:
+        """The whole remote session: timeout(1) moves itself and the harness into a group of their own."""
+        self.ended = True
+        if self.client is not None and self.client.get_transport() and self.client.get_transport().is_active():
+            run_command(self.client, self.slot.host,
+                        f"pkill -KILL -s $(cat {shlex.quote(self.scratch)}/sid) 2>/dev/null; true", 15)
+
+    def _log_tail(self) -> str:
+        try:
+            with self.client.open_sftp() as sftp, sftp.open(f"{self.scratch}/stderr.log") as f:
+                return f.read().decode(errors="replace")[-4000:]
+        except FileNotFoundError:
+            return ""
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostUnreachable(self.slot.host, f"connection lost fetching the log: {e}") from None
+
+    def close(self) -> None:
+        """End the session (its supervisor ends its sandbox first), and remove its directory."""
+        if self.client is None:
+            self.ended = True
+            return
+        try:
+            if self.chan is not None and not self.chan.closed:
+                self.chan.shutdown_write()  # the requests end: the supervisor ends the session
+                if not self.chan.status_event.wait(30):
+                    self._kill()
+            self._kill()  # whatever the candidate left in the remote session
+            run_command(self.client, self.slot.host, f"rm -rf {shlex.quote(self.scratch)}")
+        except HostFault:
+            pass  # the host is gone or stuck: its fault is the stage's to report, not the cleanup's
+        except (paramiko.SSHException, OSError, EOFError):
+            pass  # the connection dropped: the host kills the session itself (`timeout`)
+        finally:
+            self.client.close()
+            self.client, self.chan, self.ended = None, None, True

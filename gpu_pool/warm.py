@@ -84,20 +84,25 @@ class ForkServer:
             return None
         return json.loads(data) if data else None
 
-    def start(self, argv: list[str], cwd: Path, stdout, stderr) -> Started | None:
-        """`python -m harness ARGV` in `cwd`, forked; None when this server cannot start it."""
+    def start(self, argv: list[str], cwd: Path, stdout, stderr, extra_fds: tuple[int, ...] = ()) -> Started | None:
+        """`python -m harness ARGV` in `cwd`, forked, with `extra_fds` as its descriptors 3, 4, …;
+        None when this server cannot start it."""
         with self._lock:
             if not self._is_ready():
                 return None
-            r, w = os.pipe()
+            # The exit status comes on a socket, not a pipe: another process of this user can open a
+            # pipe of this one again through /proc/PID/fd and write a status (0: "the harness wrote its
+            # verdict") that its stage never ended with; a socket cannot be opened so.
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            r = ours.detach()
             try:
                 socket.send_fds(self.sock, [json.dumps({"argv": argv, "cwd": str(cwd)}).encode()],
-                                [stdout.fileno(), stderr.fileno(), w])
+                                [stdout.fileno(), stderr.fileno(), theirs.fileno(), *extra_fds])
                 reply = self._receive(REPLY_TIMEOUT_S)
             except OSError:
                 reply = None
             finally:
-                os.close(w)
+                theirs.close()
             if not reply or "pid" not in reply:
                 os.close(r)
                 self._ready, self.why = False, "the fork server stopped answering"

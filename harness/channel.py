@@ -38,13 +38,16 @@ class Sender:
         self._f = os.fdopen(fd, "wb", buffering=0)
 
     def send(self, kind: str, tensors: tuple[torch.Tensor, ...] = (), **fields: Any) -> None:
-        blobs = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        # Each tensor's bytes as they lie in host memory (a device tensor copied there first),
+        # written from that memory without a further copy.
+        blobs = [memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
                  for t in tensors]
         meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
-        header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [len(b) for b in blobs], **fields})
+        header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [b.nbytes for b in blobs], **fields})
         self._f.write(header.encode() + b"\n")
         for b in blobs:
-            self._f.write(b)
+            while b.nbytes:  # an unbuffered write may take less than all
+                b = b[self._f.write(b):]
 
 
 def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Tensor]] | None:
@@ -69,16 +72,27 @@ def read_frame(stream: BinaryIO, max_payload: int) -> tuple[dict, list[torch.Ten
         raise ProtocolError(f"payload of {sum(sizes)} bytes exceeds the {max_payload} this frame may carry")
     tensors = []
     for meta, size in zip(metas, sizes):
-        data = stream.read(size)
-        if len(data) != size:
-            raise CutOff("stream ended inside a payload")
+        data = _read_exactly(stream, size)
         dtype, shape = _dtype(meta["dtype"]), meta["shape"]
-        t = torch.frombuffer(bytearray(data), dtype=dtype) if size else torch.empty(0, dtype=dtype)
+        t = torch.frombuffer(data, dtype=dtype) if size else torch.empty(0, dtype=dtype)
         try:
             tensors.append(t.reshape(shape))
         except RuntimeError as e:
             raise ProtocolError(f"payload does not fit shape {shape}: {e}") from None
     return header, tensors
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytearray:
+    """`size` bytes read straight into the buffer the tensor is made of (no copy of a copy);
+    CutOff when the stream ends first."""
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            raise CutOff("stream ended inside a payload")
+        got += n
+    return data
 
 
 # -- what the judge checks of a frame's fields --------------------------------------------------
@@ -96,7 +110,9 @@ def check_timing(header: dict) -> None:
     ok = (isinstance(dims, dict) and all(isinstance(k, str) and type(n) is int for k, n in dims.items())
           and all(is_number(header.get(k)) for k in ("candidate_us", "candidate_us_repeat"))
           and isinstance(header.get("method"), str)
-          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int)
+          and type(header.get("sets")) is int and type(header.get("graph_outputs")) is int
+          and isinstance(header.get("reps", []), list) and all(type(n) is int for n in header.get("reps", []))
+          and isinstance(header.get("steady", []), list) and all(type(b) is bool for b in header.get("steady", [])))
     if not ok:
         raise ProtocolError(f"a timing frame {brief(header)}")
 

@@ -7,7 +7,8 @@ device, in the right dtype), the inputs (bit-identical to a private copy), and t
 still running after the call returns).
 
 In the supervisor (`judge`): the output's values against the float64 oracle, computed in a
-process the candidate never ran in, from inputs redrawn there from the same seed.
+process the candidate never ran in, from inputs redrawn there from the same seed; finiteness and
+the comparison on the oracle's device, read back once per output.
 """
 from __future__ import annotations
 
@@ -45,10 +46,21 @@ def poisoned_allocations():
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.to(ref.device, torch.float64)
+    return _relative(*_measure(out, ref)[1:])
+
+
+def _measure(out: torch.Tensor, ref: torch.Tensor) -> tuple[int, float, float]:
+    """(elements of `out` not finite, ||ref||, ||out - ref||), computed in float64 where `ref` is
+    (the oracle's device) and read back together: one synchronization per output."""
+    out = out.to(ref.device)
     ref = ref.to(torch.float64)
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
+    figures = torch.stack([(~torch.isfinite(out)).sum().to(torch.float64), ref.norm(),
+                           (out.to(torch.float64) - ref).norm()])
+    n_bad, denom, diff = figures.tolist()
+    return int(n_bad), denom, diff
+
+
+def _relative(denom: float, diff: float) -> float:
     return diff / denom if denom > 0 else diff
 
 
@@ -100,11 +112,11 @@ def judge(op, outs: list[torch.Tensor], args: tuple, rtol: float) -> CallResult:
         where = f"output {i}" if len(refs) > 1 else "output"
         if tuple(o.shape) != tuple(r.shape):
             return CallResult(False, "output_form", f"{where} has shape {tuple(o.shape)}; expected {tuple(r.shape)}")
-        n_bad = (~torch.isfinite(o)).sum().item()
+        n_bad, denom, diff = _measure(o, r)
         if n_bad:
             return CallResult(False, "finite", f"{where} has {n_bad} of {o.numel()} elements NaN or Inf "
                                                "(unwritten output reads as NaN)")
-        err = rel_error(o, r)
+        err = _relative(denom, diff)
         worst = max(worst, err)
         if err > rtol:
             return CallResult(False, "accuracy", f"{where} relative error {err:.3g} > tolerance {rtol:g}", err)

@@ -5,9 +5,10 @@ learns what the GPU is from a child of its own (harness/device.py) and has Trito
 hash their installed files (their cache keys); it never touches a GPU itself and never runs a
 candidate, then answers requests on FD, a Unix socket whose other end only its
 starter holds (gpu_pool/warm.py): each request names a stage's directory and arguments and
-brings its stdout, stderr and a status pipe. For each, it forks a supervisor — in a session of
+brings its stdout, stderr, a status socket, and any descriptors it hands on as 3, 4, … (a
+session's request and reply pipes). For each, it forks a supervisor — in a session of
 its own, in that directory, running `python -m harness ARGS` — and replies with its pid; when
-that process exits, its exit code is written to the status pipe, which is then closed. A fork
+that process exits, its exit code is written to the status socket, which is then closed. A fork
 changes nothing here: what a stage does stays in its own address space.
 
 The first message says whether it is ready (`{"ready": true}`), or why it cannot serve (a
@@ -27,6 +28,7 @@ import sys
 from harness import processes
 
 MAX_REQUEST = 1 << 16
+MAX_EXTRA_FDS = 2
 
 
 def main() -> int:
@@ -58,7 +60,7 @@ def serve(sock: socket.socket) -> None:
         os.set_blocking(fd, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
     signal.set_wakeup_fd(wake_w)
-    status: dict[int, int] = {}  # child pid -> its status pipe's write end
+    status: dict[int, int] = {}  # child pid -> its status socket (the end that writes)
     while True:
         readable, _, _ = select.select([sock, wake_r], [], [])
         if wake_r in readable:
@@ -66,7 +68,7 @@ def serve(sock: socket.socket) -> None:
                 pass
         if sock in readable:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3)
+                data, fds, _, _ = socket.recv_fds(sock, MAX_REQUEST, 3 + MAX_EXTRA_FDS)
             except ConnectionError:
                 data, fds = b"", []
             if not data:
@@ -83,8 +85,8 @@ def serve(sock: socket.socket) -> None:
 
 
 def _start(request: dict, fds: list[int]) -> int:
-    """Fork a supervisor for the request; this process keeps only the status pipe."""
-    out, err, _ = fds
+    """Fork a supervisor for the request; this process keeps only the status socket."""
+    out, err, extra = fds[0], fds[1], fds[3:]
 
     def run() -> int:
         from harness.__main__ import main as harness_main
@@ -94,9 +96,10 @@ def _start(request: dict, fds: list[int]) -> int:
 
     devnull = os.open(os.devnull, os.O_RDONLY)
     try:
-        return processes.fork(run, {0: devnull, 1: out, 2: err}, request["cwd"], new_session=True)
+        return processes.fork(run, {0: devnull, 1: out, 2: err, **{3 + i: fd for i, fd in enumerate(extra)}},
+                              request["cwd"], new_session=True)
     finally:
-        for fd in (devnull, out, err):
+        for fd in (devnull, out, err, *extra):
             os.close(fd)
 
 

@@ -18,7 +18,7 @@ from harness.channel import CutOff, ProtocolError, brief, check_timing, item_ind
 from harness.checks import judge
 from harness.deadline import Deadline
 from harness.plan import bench_plan, check_plan, probe_items
-from harness.stages import shapes_by_label
+from harness.stages import refill_seed, shapes_by_label
 
 
 class Judge:
@@ -49,14 +49,16 @@ class Judge:
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
-             killed: Callable[[], bool] = lambda: False) -> None:
+             killed: Callable[[], bool] = lambda: False, until: str = "done") -> None:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
         answers a `settle` frame: the sandbox waits for it before it times a shape; False when
         the answer could not be written at once (the answers before it lie unread). `killed`
         says whether the harness killed the sandbox (at the stage's limit, or over its memory): then
-        a frame cut short is the kill's doing, the end of the report and not a fault in it."""
+        a frame cut short is the kill's doing, the end of the report and not a fault in it. `until`:
+        the frame that ends this reading (`loading`: the bench stage's baselines, read before the
+        session's first stage); the sandbox lives on after it unless a gate failed."""
         self._go = go
-        while self.v.status == PASS and not self.done:
+        while self.v.status == PASS and not self.done and until not in self.marks:
             try:
                 frame = read_frame(stream, self.max_payload)
             except ProtocolError as e:
@@ -73,7 +75,8 @@ class Judge:
                 self.v.gate("protocol", False, f"a frame the sandbox never sends ({e}): something in its "
                                                "process wrote to the harness's channel")
                 break
-        stop()
+        if self.v.status != PASS or until not in self.marks:
+            stop()
 
     def _take(self, header: dict, tensors: list[torch.Tensor]) -> None:
         kind = header["kind"]
@@ -152,6 +155,7 @@ class Judge:
                 return
             roof, nbytes, flops = self.roofline[header["label"]]
             fields = {k: header[k] for k in ("label", "dims", "candidate_us", "candidate_us_repeat", "method")}
+            fields |= {k: header[k][:2] for k in ("reps", "steady") if k in header}
             base = self.book.shapes[header["label"]]  # measured before the candidate loaded
             fields |= {"eager_us": base["eager_us"], "compile_us": base["compile_us"]}
             l2 = self.v.device.get("l2_bytes", 0) if self.device == "cuda" else 0
@@ -182,7 +186,7 @@ class Judge:
                 j = n % len(spec["sets"]) if timed else n  # call n of a timed run used set n % sets
                 args = self._args(spec["shape"], spec["sets"][j])
                 if phase == "refill" or phase in REFILLED:  # refilled after the timings, or inside one
-                    seed = spec["refill"][j] if phase == "refill" else spec["timed_refill"]["repeat" in phase]
+                    seed = refill_seed(spec, j) if phase == "refill" else spec["timed_refill"]["repeat" in phase]
                     fresh = self._args(spec["shape"], seed)
                     args = tuple(a if self.op.oracle.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                                  for i, a in enumerate(args))
@@ -212,6 +216,10 @@ class Judge:
         self.v.max_rel_error = self.worst
         if result.ok:
             return
+        if gate == "timed_outputs" and self._stale(spec, j, outs):
+            gate = "caching"
+            where = where.removesuffix(")") + (", refilled between two timed calls before it: the result of those "
+                                               "values, returned for its own)")
         detail = f"{where}: {result.detail}"
         if result.gate == "accuracy" and self.job.rules.approval_rtol:
             detail += f" (the approval tolerance; the target's own is {rtol:g})"
@@ -227,6 +235,23 @@ class Judge:
             detail += (" — what a call returned while it was timed: the candidate does less (or other work) when "
                        "timed than when its outputs are otherwise checked")
         self.v.gate(result.gate if gate == "accuracy" else gate, False, detail)
+
+    def _stale(self, spec: dict, j: int, outs: list[torch.Tensor]) -> bool:
+        """Whether outputs wrong for input set `j` are right for the values a timing refilled it
+        with (`timed_refill`): the timings refill sets in place as they go (timing.Kept), and a
+        result cached on pointer while one was refilled comes back for its own values later."""
+        own = self._args(spec["shape"], spec["sets"][j])
+        for seed in spec["timed_refill"]:
+            fresh = self._args(spec["shape"], seed)
+            args = tuple(a if self.op.oracle.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
+                         for i, a in enumerate(own))
+            if self._gives(outs, args):
+                return True
+        return False
+
+    def _gives(self, outs: list[torch.Tensor], args: tuple) -> bool:
+        """Whether `outs` are what the oracle gives on `args`, within tolerance."""
+        return judge(self.op.oracle, outs, args, self.job.rules.approval_rtol or self.job.rules.rtol).ok
 
     # -- the end --------------------------------------------------------------
     def memory_exceeded(self, rss_mb: float) -> None:

@@ -14,6 +14,7 @@ from contract.job import Job
 from engine_templates.ops.base import DISTRIBUTIONS, activation_dtype
 from harness import baselines, timing
 from harness import device as devices
+from harness.stages import probed_sets
 
 _seeds = random.SystemRandom()
 
@@ -32,7 +33,7 @@ def fresh_seeds(n: int) -> list[int]:
 def probe_items(spec: dict) -> set[str]:
     """The outputs the probes of one planned shape return, as `phase/set`: a timed and a refilled
     call on its first and its last input set."""
-    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in (0, len(spec["sets"]) - 1)}
+    return {f"{phase}/{j}" for phase in ("timed", "refill") for j in probed_sets(len(spec["sets"]))}
 
 
 @dataclass
@@ -58,7 +59,7 @@ def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -
         roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
         roofline[shape.label] = (roof, nbytes, flops)
         n = timing.rotation_count(nbytes, l2) if device == "cuda" else 2
-        items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(n),
+        items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(len(probed_sets(n))),
                       "timed_refill": fresh_seeds(2),  # one set refilled inside each candidate timing
                       "graph": timing.by_graph(device, roof, job.rules.launch_bound_us)})
     key = baselines.key(job, info, items, sources)

@@ -4,14 +4,16 @@ interpreter.
 
 It reads its limits on the first line of stdin and applies them (memory, core dumps,
 network), imports the harness, torch and the op if they are not yet (a fresh interpreter does
-so while the supervisor makes its plan), reads the job and the plan on the second line, in
-the bench stage measures the baselines (harness/baselines.py), notes the identity of every
-timer and harness function, says `loading`, and only then imports the candidate from its
-scratch directory, with Triton's and Inductor's caches pointed at its own (harness/caches.py).
-Everything it finds goes to the supervisor as frames on FD; it decides no verdict — a
-process that dies or stops reporting is a crash there. In the bench stage it waits on stdin
-before timing each shape, until the supervisor has judged what it was sent and left the GPU
-idle (`settle`), so that no work of the supervisor's shares the GPU with a timing.
+so while the supervisor makes its plan), then takes one request a line: the bench stage's
+baselines, measured before the candidate exists in this process (harness/baselines.py) and ended
+by `loading`, then each stage of the candidate's session in turn, each ended by `done`. It notes
+the identity of every timer and harness function and imports the candidate from its scratch
+directory at each stage afresh (its module's state starts anew, as in a process of its own),
+with Triton's and Inductor's caches pointed at its own (harness/caches.py). Everything it finds goes to the supervisor
+as frames on FD; it decides no verdict — a process that dies or stops reporting is a crash
+there. In the bench stage it waits on stdin before timing each shape, until the supervisor has
+judged what it was sent and left the GPU idle (`settle`), so that no work of the supervisor's
+shares the GPU with a timing. It ends when stdin does, or when the supervisor kills it.
 """
 from __future__ import annotations
 
@@ -41,16 +43,7 @@ def main() -> int:
     from harness.load import Rejected, load
 
     send = Sender(int(sys.argv[1])).send
-    line = stdin.readline()
-    if not line:  # the supervisor stopped before handing over a job
-        return 0
-    request |= json.loads(line)
-    send("isolation", detail=f"{memory}; {network}; pid {os.getpid()}")
-    job = Job.from_json(request["job"])
-    op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
-    if dev == "cuda":
-        torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
-    caches = request.get("caches", {})
+    isolation = f"{memory}; {network}; pid {os.getpid()}"
     # Numbered: the supervisor answers each number once. Numbered from 0 before the baselines and
     # again once the candidate loads.
     settles = [itertools.count()]
@@ -58,35 +51,53 @@ def main() -> int:
     def settle() -> bool:
         return _settle(send, stdin, next(settles[0]))
 
-    baselines = {}
-    if job.stage == "bench":  # before the candidate exists in this process (harness/baselines.py)
-        os.environ.update(caches.get("baselines", {}))
-        if (baselines := measure_baselines(job, op, dev, request["plan"], send, settle)) is None:
+    baselines, identities = None, None
+    # One request a line: the bench stage's baselines (before the candidate exists in this process),
+    # then each stage of the candidate's session in turn. The supervisor ends the session by closing
+    # stdin, or by killing this process.
+    while line := stdin.readline():
+        request |= json.loads(line)
+        job = Job.from_json(request["job"])
+        op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
+        if dev == "cuda":
+            torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
+        caches = request.get("caches", {})
+        if request.get("part") == "baselines":  # harness/baselines.py; ends with `loading`, or a failure
+            send("isolation", detail=isolation)
+            os.environ.update(caches.get("baselines", {}))
+            if (baselines := measure_baselines(job, op, dev, request["plan"], send, settle)) is None:
+                send("done")
+                return 0
+            send("loading")  # from here on the candidate's code may run in this process
+            settles[0] = itertools.count()
+            continue
+        if job.stage != "bench":  # the bench stage's judge had both at its baselines
+            send("isolation", detail=isolation)
+            send("loading")
+        if identities is None:  # before any of the candidate's code ran here
+            os.environ.update(caches.get("candidate", {}))
+            identities = integrity.Identities()
+        # Imported afresh at each stage, as in a process of its own: its module's state (a cache,
+        # a call count) starts anew; what it left elsewhere in this process stays.
+        try:
+            fn = load(job.candidate, op, Path(os.getcwd()))
+        except Rejected as e:
+            send("gate", name=e.gate, passed=False, detail=e.detail)
             send("done")
             return 0
-    os.environ.update(caches.get("candidate", {}))
-    identities = integrity.Identities()
-    send("loading")  # from here on the candidate's code runs in this process
-    settles[0] = itertools.count()
-    try:
-        fn = load(job.candidate, op, Path(os.getcwd()))
-    except Rejected as e:
-        send("gate", name=e.gate, passed=False, detail=e.detail)
+        except MemoryError as e:
+            send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
+            send("done")
+            return 0
+        if job.stage == "bench":
+            stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
+                               patched=identities.changed)
+        else:
+            {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
+        patched = identities.changed()
+        if patched:
+            send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
         send("done")
-        return 0
-    except MemoryError as e:
-        send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
-        send("done")
-        return 0
-    if job.stage == "bench":
-        stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
-                           patched=identities.changed)
-    else:
-        {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
-    patched = identities.changed()
-    if patched:
-        send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
-    send("done")
     return 0
 
 

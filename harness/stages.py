@@ -105,7 +105,8 @@ def prepare_shape(job: Job, op, dev: str, item: dict, send: Send, settle: Callab
     shape = shapes_by_label(job)[item["shape"]]
     dtype = activation_dtype(job.rules.dtype)
     arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
-    method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"])
+    method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"],
+                           min_reps=timing.MIN_REPS if dev == "cuda" else timing.WALL_MIN_REPS)
     if not settle():
         send("gate", name="protocol", passed=False,
              detail=f"{shape.label}: the supervisor's go-ahead to time did not arrive as sent: something "
@@ -132,10 +133,11 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
                 settle: Callable[[], bool] = lambda: True,
                 patched: Callable[[], list[str]] = lambda: []) -> None:
     """Per shape the candidate twice, timed on the same rotated input sets (drawn again from the
-    same seeds), and the probes. `baselines`: per shape (eager, torch.compile or None), measured
-    before the candidate was loaded (harness/baselines.py), so that nothing the candidate does to
-    the process reaches them: a capture that fails leaves later graph timings of the process to
-    events, and were that the baselines' too, a candidate could choose how torch.compile is timed.
+    same seeds; by graph, of one capture: timing.timings), and the probes. `baselines`: per shape
+    (eager, torch.compile or None), measured before the candidate was loaded (harness/baselines.py),
+    so that nothing the candidate does to the process reaches them: a capture that fails leaves
+    later graph timings of the process to events, and were that the baselines' too, a candidate
+    could choose how torch.compile is timed.
     `settle` returns once the supervisor has judged every output sent so far and its own GPU work
     has finished (False: the answer never came right), so that nothing of the supervisor's runs on
     the GPU while this process times. `patched` names the timers and harness functions the
@@ -148,8 +150,8 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
         shape, arg_sets, method, asked = ready
         eager, comp = baselines[shape.label]
         try:
-            cand, cand_2 = (timing.median_us(fn, arg_sets, method, _fresh(op, shape, dtype, dev, seed))
-                            for seed in item["timed_refill"])
+            cand, cand_2 = timing.timings(fn, arg_sets, method,
+                                          [_fresh(op, shape, dtype, dev, seed) for seed in item["timed_refill"]])
             # Only an events timing can miss work left on another stream or thread (a graph
             # replay cannot leave any), so only then is the host's time checked.
             events = "events" in (cand.how, cand_2.how)
@@ -181,7 +183,7 @@ def bench_stage(job: Job, op, fn, dev: str, plan: dict, send: Send, baselines: d
                             f"the timer stops (timings: {cand.how} {cand_us:.1f} us, {cand_2.how} {cand_us_2:.1f} us)")
                 return
         send("timing", label=shape.label, dims=shape.dims, candidate_us=cand_us, candidate_us_repeat=cand_us_2,
-             sets=len(arg_sets),
+             sets=len(arg_sets), reps=[cand.reps, cand_2.reps], steady=[cand.steady, cand_2.steady],
              method=method_label(cand, cand_2, eager, comp), graph_outputs=len(cand.outputs) + len(cand_2.outputs))
         for run, timed in ((cand.how, cand), (f"{cand_2.how}-repeat", cand_2)):  # what timed calls returned
             for c, outs in timed.outputs.items():
@@ -209,16 +211,29 @@ def _fresh(op, shape: Shape, dtype, dev: str, seed: int) -> tuple:
     return tuple(None if op.is_persistent(i) or not isinstance(a, torch.Tensor) else a for i, a in enumerate(fresh))
 
 
+def probed_sets(n: int) -> list[int]:
+    """The input sets, of `n`, that the probes call the candidate on: the first and the last."""
+    return sorted({0, n - 1})
+
+
+def refill_seed(item: dict, j: int) -> int:
+    """The seed of probed set `j`'s new values in a planned shape (ValueError: a set the probes
+    do not refill)."""
+    return item["refill"][probed_sets(len(item["sets"])).index(j)]
+
+
 def _probe(op, fn, arg_sets, shape: Shape, item, k, dtype, dev, send: Send) -> bool:
     """Outputs of the timed function on what it was timed on, then after every input the op
     does not declare persistent (`Op.persistent`: weights, constant tables) was refilled in place
     with new values (same storage, pointers and shapes). A cache derived from a persistent
-    argument is an honest optimization and survives; one keyed on anything else goes stale."""
-    probed = sorted({0, len(arg_sets) - 1})
+    argument is an honest optimization and survives; one keyed on anything else goes stale. Only
+    the probed sets (the first and the last) are drawn anew and refilled: no other is called."""
+    probed = probed_sets(len(arg_sets))
     for phase in ("timed", "refill"):
         if phase == "refill":
-            for args, seed in zip(arg_sets, item["refill"]):
-                fresh = op.inputs(shape, dtype, dev, generator(dev, seed), "normal")
+            for j in probed:
+                args = arg_sets[j]
+                fresh = op.inputs(shape, dtype, dev, generator(dev, refill_seed(item, j)), "normal")
                 for i, (a, b) in enumerate(zip(args, fresh)):
                     if isinstance(a, torch.Tensor) and not op.is_persistent(i):
                         a.copy_(b)

@@ -1,7 +1,8 @@
 """Timing one callable the way a kernel engineer would accept.
 
-On a GPU: warm-up excluded, device events, median of many runs, inputs rotated across
-several sets so that L2 does not serve repeats, and CUDA-graph replay for every shape whose
+On a GPU: warm-up excluded, device events, the median of as many runs as the confidence rule
+asks (`until_steady`: at least ten, until the median is known within 0.5%, or a time cap), inputs
+rotated across several sets so that L2 does not serve repeats, and CUDA-graph replay for every shape whose
 roofline is under a millisecond (`by_graph`), so that host time between launches is not timed.
 On a CPU (the Triton interpreter) the numbers are wall-clock and say nothing about a GPU; the
 verdict marks them so.
@@ -14,7 +15,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from harness.timed_outputs import GRAPH_CHECKS, Kept, Refill, checked_sets, refill_point, reused_storage, tensors  # noqa: F401,E501
+from harness.timed_outputs import (  # noqa: F401,E501
+    GRAPH_CHECKS,
+    Kept,
+    Refill,
+    Toggle,
+    checked_sets,
+    refill_point,
+    reused_storage,
+    tensors,
+)
 
 # Every timer and reduction a measurement goes through is bound here, at import, before any
 # candidate exists (docs/gates.md, timer patching): a candidate that swaps one on its
@@ -26,8 +36,8 @@ from harness.timed_outputs import GRAPH_CHECKS, Kept, Refill, checked_sets, refi
 # reaches that module without an import, and a `len` or `sorted` swapped there would otherwise
 # divide or order every figure. For the same reason the median is computed here, not by
 # `statistics.median`, which calls the builtins' `sorted`.
-len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all = (  # noqa: A001
-    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all)
+len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, list = (  # noqa: A001
+    len, sorted, zip, range, enumerate, min, max, int, iter, next, isinstance, tuple, type, all, list)
 
 
 def median(values) -> float:
@@ -55,12 +65,61 @@ def _median_elapsed_ms(starts: list, ends: list) -> float:
     return median(_elapsed(s, e) for s, e in zip(starts, ends))
 
 
+# The confidence rule: how many repetitions a timing runs (docs/gates.md, Timing). At least
+# MIN_REPS; then, in rounds that double the count, until the median's 95% interval (order
+# statistics, no assumption on the times' distribution: `median_interval`) is within CI_REL of the
+# median either way, or until the time cap (`Method.rep_ms` at the first estimate of a
+# repetition, as many as fit, and at most 500 graph replays, 2,000 event pairs, 50 wall-clock
+# calls). Until 2026-12-07 every timing ran to that cap. The wall clock of a CPU run, whose
+# figures say nothing about a GPU, needs only WALL_MIN_REPS.
+MIN_REPS = 10
+CI_REL = 0.005
+Z95 = 1.96
+WALL_MIN_REPS = 3
+
+
+def median_interval(values) -> tuple[float, float]:
+    """The median's 95% confidence interval from the order statistics of `values`: the ranks
+    n/2 ± 1.96·sqrt(n)/2 (the normal approximation to the binomial), clamped to the data."""
+    data = sorted(values)
+    n = len(data)
+    half = Z95 * n ** 0.5 / 2
+    lo, hi = int(n / 2 - half) - 1, -int(-(n / 2 + half) // 1)  # floor - 1, ceil (0-based)
+    return data[max(0, lo)], data[min(n - 1, hi)]
+
+
+def steady(values, min_reps: int = MIN_REPS) -> bool:
+    """The confidence rule's stop: at least `min_reps` values, the median's 95% interval within
+    CI_REL of the median either way."""
+    if len(values) < min_reps:
+        return False
+    lo, hi = median_interval(values)
+    mid = median(values)
+    return mid > 0 and (hi - lo) / 2 <= CI_REL * mid
+
+
+def until_steady(run: Callable[[int, int], list], cap: int, min_reps: int = MIN_REPS) -> tuple[list, bool]:
+    """Repetitions in rounds, `run(first, n)` timing repetitions first … first + n - 1 and
+    returning their times: `min_reps` first, then each round as many as ran before it, until the
+    confidence rule holds (`steady`) or `cap` repetitions ran. (times, whether the rule held)."""
+    times: list = []
+    target = min(min_reps, cap)
+    while True:
+        times += run(len(times), target - len(times))
+        if steady(times, min_reps):
+            return times, True
+        if len(times) >= cap:
+            return times, False
+        target = min(cap, 2 * len(times))
+
+
 @dataclass(frozen=True)
 class Method:
     device: str
     warmup_ms: float
-    rep_ms: float
+    rep_ms: float  # the time cap of the confidence rule
     graph: bool = False
+    min_reps: int = MIN_REPS
 
 
 # At most this many input sets a shape. Twice an H200's L2 (2 x 60 MiB) is covered down to calls
@@ -110,6 +169,10 @@ class Timed:
     # with `fresh` inputs: the key of `outputs` computed on them (-1: none) — the call (events,
     # wall clock) or the input set (graph) that ran on inputs refilled in place inside the run
     refilled: int = -1
+    # the confidence rule: repetitions timed (graph replays, calls), and whether the median's
+    # interval closed before the time cap
+    reps: int = 0
+    steady: bool = False
 
 
 # Set when a capture failed in this process: what is left of it (an allocator pool, perhaps a
@@ -136,48 +199,62 @@ def median_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method,
     launch gaps then count against it — and `fallback` says why; so is every later graph timing
     of the process, whoever it times. `fresh` (the candidate's timings): new values for the
     arguments it does not leave None, put in place of one input set's inside the run (`Refill`)."""
+    return timings(fn, arg_sets, method, [fresh])[0]
+
+
+def timings(fn: Callable[..., Any], arg_sets: Sequence[tuple], method: Method, fresh: list) -> list[Timed]:
+    """One timing (`median_us`) per entry of `fresh`, each with its own refill values (or None).
+    By graph, one capture serves them all: each timing has its own replays, its own confidence
+    rule, its own refilled set and its own judged outputs (NaN-filled again before it), and the
+    candidate's code runs once per input set, not once per timing. Events and the wall clock time
+    each anew."""
     global _graphs_off
     if method.device != "cuda":
-        return _timed(_cpu_median_us(fn, arg_sets, method, fresh), "wall")
+        return [_timed(_cpu_median_us(fn, arg_sets, method, f), "wall") for f in fresh]
     if not method.graph:
-        return _timed(_events_median_us(fn, arg_sets, method, fresh), "events")
+        return [_timed(_events_median_us(fn, arg_sets, method, f), "events") for f in fresh]
     if _graphs_off:
         why = f"no graphs in this process after a failed capture ({_graphs_off})"
     else:
         try:
-            us, outputs, reused, refilled = _graph_median_us(fn, arg_sets, method, fresh)
-            return Timed(us, "graph", outputs=outputs, reused=reused, refilled=refilled)
+            return [Timed(us, "graph", outputs=outputs, reused=reused, refilled=refilled, reps=reps, steady=held)
+                    for us, outputs, reused, refilled, reps, held in _graph_median_us(fn, arg_sets, method, fresh)]
         except Exception as e:  # not capturable; if it fails outside a graph too, that error goes on
             root = e.__context__ if isinstance(e.__context__, Exception) else e  # the call, not capture_end
             why = _graphs_off = f"{type(root).__name__}: {root}".split("\n")[0][:200]
     _synchronize()
-    return _timed(_events_median_us(fn, arg_sets, method, fresh), "events", fallback=why)
+    return [_timed(_events_median_us(fn, arg_sets, method, f), "events", fallback=why) for f in fresh]
 
 
 def _timed(kept: Kept, how: str, fallback: str = "") -> Timed:
-    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit, refilled=kept.refilled)
+    return Timed(kept.us, how, fallback, outputs=kept.outputs(), misfit=kept.misfit, refilled=kept.refilled,
+                 reps=kept.reps, steady=kept.steady)
 
 
 def _cpu_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -> Kept:
-    """The wall clock's median over a number of calls fixed before the first is timed (so the
-    last call is known when it runs, and its outputs are copied as the others' are)."""
+    """The wall clock's median, over as many calls as the confidence rule asks (`until_steady`)."""
     n_sets = len(arg_sets)
     first = fn(*arg_sets[0])  # warm-up; its outputs are the model of the copies' buffers
     t = perf_counter()
     fn(*arg_sets[1 % n_sets])
     est = max(perf_counter() - t, 1e-9)
-    kept = Kept(first, max(3, min(50, int(method.rep_ms / 1e3 / est))), arg_sets, fresh)
+    kept = Kept(first, max(method.min_reps, min(50, int(method.rep_ms / 1e3 / est))), arg_sets, fresh)
     del first
-    times = []
-    for c in range(kept.calls):
-        args = arg_sets[c % n_sets]
-        kept.before(c)  # a refill, before the timer starts
-        t = perf_counter()
-        out = fn(*args)
-        times.append(perf_counter() - t)
-        kept.after(c, out)
-        del out  # freed as every call's is: the next call's allocations see what an unkept one leaves
-    kept.us = median(times) * 1e6
+
+    def run(first: int, n: int) -> list:
+        times = []
+        for c in range(first, first + n):
+            args = arg_sets[c % n_sets]
+            kept.before(c)  # a refill, before the timer starts
+            t = perf_counter()
+            out = fn(*args)
+            times.append(perf_counter() - t)
+            kept.after(c, out, last=c == first + n - 1)
+            del out  # freed as every call's is: the next call's allocations see what an unkept one leaves
+        return times
+
+    times, kept.steady = until_steady(run, kept.calls, method.min_reps)
+    kept.us, kept.reps = median(times) * 1e6, len(times)
     return kept
 
 
@@ -227,33 +304,45 @@ def _events_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) 
     est = _estimate_ms(run_once)
     for _ in range(max(1, int(method.warmup_ms / est))):
         run_once()
-    kept = Kept(fn(*arg_sets[0]), max(10, min(2000, int(method.rep_ms / est))), arg_sets, fresh)
-    starts, ends, stream = _events(kept.calls), _events(kept.calls), _current_stream()
+    kept = Kept(fn(*arg_sets[0]), max(method.min_reps, min(2000, int(method.rep_ms / est))), arg_sets, fresh)
+    stream = _current_stream()
     _synchronize()
-    for c, (s, e) in enumerate(zip(starts, ends)):
-        args = arg_sets[c % n_sets]
-        kept.before(c)  # a refill, queued before the start event
-        _record(s, stream)
-        out = fn(*args)
-        _record(e, stream)
-        kept.after(c, out)  # copies queued after the end event: on the device, between two timings
-        del out
+
+    def run(first: int, n: int) -> list:
+        starts, ends = _events(n), _events(n)
+        for c, (s, e) in enumerate(zip(starts, ends), first):
+            args = arg_sets[c % n_sets]
+            kept.before(c)  # a refill, queued before the start event
+            _record(s, stream)
+            out = fn(*args)
+            _record(e, stream)
+            # copies queued after the end event: on the device, between two timings
+            kept.after(c, out, last=c == first + n - 1)
+            del out
+        _wait_event(ends[-1])
+        return [_elapsed(s, e) for s, e in zip(starts, ends)]
+
+    times, kept.steady = until_steady(run, kept.calls, method.min_reps)
     _synchronize()
-    kept.us = _median_elapsed_ms(starts, ends) * 1e3
+    kept.us, kept.reps = median(times) * 1e3, len(times)
     return kept
 
 
-def _graph_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -> tuple[float, dict, str, int]:
+def _graph_median_us(fn, arg_sets, method: Method, fresh: list) -> list[tuple[float, dict, str, int, int, bool]]:
     """Capture one call per input set in a graph; the time per call is a replay over the sets.
-    Also returns copies of what some captured calls returned, as the last replay left them (NaN
-    before it: an output the graph never writes reads as NaN) — the work that was timed, for the
-    judge: the first set's, the last's, and up to GRAPH_CHECKS others drawn after the last replay
-    (`checked_sets`), so that a function doing less while captured, on however few of the sets,
-    cannot know which of them will be looked at. And `reused`: which captured calls returned
-    storage a later one returned too (then nothing is kept: their values cannot be checked). With
-    `fresh`, one input set drawn after capture is refilled in place between two timed replays (one
-    drawn too) and kept refilled to the last: a captured call reads its inputs when replayed, so
-    its outputs must follow them (`refilled`: that set; its values are put back afterwards)."""
+    One timing per entry of `fresh`, of the one capture. Each also returns copies of what some
+    captured calls returned, as its last replay left them (NaN before its first: an output the
+    graph never writes reads as NaN) — the work that was timed, for the judge: the first set's,
+    the last's, and up to GRAPH_CHECKS others drawn after its last replay (`checked_sets`), so
+    that a function doing less while captured, on however few of the sets, cannot know which of
+    them will be looked at. And `reused`: which captured calls returned storage a later one
+    returned too (then nothing is kept: their values cannot be checked). With new values (an
+    entry of `fresh` not None), one input set drawn after capture is refilled in place between
+    timed replays and the run ends on its new values (`Toggle`: the last change falls on a replay
+    uniform over the run, however many the confidence rule asks for): a captured call reads its
+    inputs when replayed, so its outputs must follow them (`refilled`: that set; its values are
+    put back afterwards). Also the replays timed and whether the confidence rule held
+    (`until_steady`)."""
     side = torch.cuda.Stream()
     side.wait_stream(_current_stream())
     with torch.cuda.stream(side):  # warm on a side stream, as capture requires
@@ -270,32 +359,44 @@ def _graph_median_us(fn, arg_sets, method: Method, fresh: tuple | None = None) -
         raise
     every = [tensors(r) for r in returned]
     reused = reused_storage(every)
-    for outs in every:
-        for t in outs:
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-    est = _estimate_ms(lambda: _replay(graph))  # noqa: F821 (deleted below, after the lambda ran)
-    for _ in range(max(1, int(method.warmup_ms / est))):
-        _replay(graph)
-    reps = max(10, min(500, int(method.rep_ms / est)))
-    refilled = -1 if fresh is None or reused else refill_point(len(arg_sets) + 1) - 1
-    refill, at = (Refill(fresh, arg_sets[refilled]), refill_point(reps)) if refilled >= 0 else (None, -1)
-    starts, ends, stream = _events(reps), _events(reps), _current_stream()
-    _synchronize()
-    for r, (s, e) in enumerate(zip(starts, ends)):
-        if r == at:
-            refill.put()  # queued before the start event
-        _record(s, stream)
-        _replay(graph)
-        _record(e, stream)
-    _synchronize()
-    per_replay_ms = _median_elapsed_ms(starts, ends)
-    picked = [] if reused else sorted({*checked_sets(len(every)), refilled} - {-1})  # drawn now that it has run
-    outputs = {j: tuple(t.clone() for t in every[j]) for j in picked}
-    if refill is not None:
-        refill.take_out()
+    stream, results, est = _current_stream(), [], 0.0
+    for new_values in fresh:
+        for outs in every:
+            for t in outs:
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+        if not est:
+            est = _estimate_ms(lambda: _replay(graph))  # noqa: F821 (deleted below, after the lambda ran)
+            for _ in range(max(1, int(method.warmup_ms / est))):
+                _replay(graph)  # noqa: F821
+        cap = max(method.min_reps, min(500, int(method.rep_ms / est)))
+        refilled = -1 if new_values is None or reused else refill_point(len(arg_sets) + 1) - 1
+        toggle = Toggle(Refill(new_values, arg_sets[refilled])) if refilled >= 0 else None
+        _synchronize()
+
+        def run(first: int, n: int) -> list:
+            starts, ends = _events(n), _events(n)
+            for r, (s, e) in enumerate(zip(starts, ends), first):
+                if toggle is not None:  # noqa: B023 (called in this iteration only)
+                    toggle.before(r)  # noqa: B023 (a change of the refilled set's values, before the start event)
+                _record(s, stream)
+                _replay(graph)  # noqa: F821 (deleted below, after the last run)
+                _record(e, stream)
+            _wait_event(ends[-1])
+            return [_elapsed(s, e) for s, e in zip(starts, ends)]
+
+        times, held = until_steady(run, cap, method.min_reps)
+        if toggle is not None and not toggle.on:  # the last change took the new values out: put them back
+            toggle.flip()
+            times += run(len(times), 1)
+        _synchronize()
+        picked = [] if reused else sorted({*checked_sets(len(every)), refilled} - {-1})  # drawn now that it has run
+        outputs = {j: tuple(t.clone() for t in every[j]) for j in picked}
+        if toggle is not None:
+            toggle.refill.take_out()
+        results.append((median(times) * 1e3 / len(arg_sets), outputs, reused, refilled, len(times), held))
     del graph, returned, every
-    return per_replay_ms * 1e3 / len(arg_sets), outputs, reused, refilled
+    return results
 
 
 def _end_failed_capture(graph, capture, before) -> None:

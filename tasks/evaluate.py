@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -14,9 +15,11 @@ from contract.verdict import PASS, Verdict
 from engine_templates.ops import get_op
 from gpu_pool.baselines import Baselines
 from gpu_pool.dispatch import MAX_ATTEMPTS, run_leased
+from gpu_pool.executors import candidate_session
 from gpu_pool.health import HostFault
-from gpu_pool.local import StageRun
+from gpu_pool.local import LocalSession, StageRun
 from gpu_pool.pool import Slot
+from gpu_pool.ssh import SSHSession
 from targets import Target
 from targets.held_out import is_held_out
 from tasks.check import check_stage
@@ -91,34 +94,41 @@ def split_held_out(verdict: Verdict) -> Verdict | None:
 
 
 def run_stages(candidate: Candidate, target: Target, slot: Slot, run_stage: Callable[..., StageRun],
-               charge: Charge, jobs: dict[str, Job] | None = None, baselines: Baselines | None = None) -> Verdict:
+               charge: Charge, jobs: dict[str, Job] | None = None, baselines: Baselines | None = None,
+               session: Callable[..., ContextManager] | None = None) -> Verdict:
     """Stages in order (`jobs`, default jobs_for's), each under its kind's limit
     (Budget.stage_limit), stopping at the first that does not pass; one merged verdict.
-    `baselines`: the flow's, which the bench job carries for its slot and its verdict adds to."""
+    `baselines`: the flow's, which the bench job carries for its slot and its verdict adds to.
+    `session(slot, jobs, limits)`: the candidate's session (gpu_pool.executors.candidate_session),
+    handed to each `run_stage` call as its last argument: one supervisor and one sandbox for the
+    stages."""
     verdict: Verdict | None = None
     jobs = dict(jobs or jobs_for(candidate, target, slot))
     if baselines is not None and "bench" in jobs:
         jobs["bench"] = replace(jobs["bench"], baselines=baselines.for_job(slot, jobs["bench"]),
                                 ceilings=baselines.ceilings_for(slot, jobs["bench"]))
-    for stage, job in jobs.items():
-        run = run_stage(stage, job, slot, target.budget.stage_limit(stage))
-        if baselines is not None:
-            baselines.keep(slot, job, run.verdict)
-        charge.add_stage(stage, run.held_s, slot.usd_per_second)
-        if verdict is None:
-            verdict = run.verdict
-        else:
-            verdict.merge(run.verdict)
-        if verdict.status != PASS:
-            break
+    limits = {stage: target.budget.stage_limit(stage) for stage in jobs}
+    with session(slot, jobs, limits) if session else nullcontext() as open_session:
+        for stage, job in jobs.items():
+            run = (run_stage(stage, job, slot, limits[stage], open_session) if session
+                   else run_stage(stage, job, slot, limits[stage]))
+            if baselines is not None:
+                baselines.keep(slot, job, run.verdict)
+            charge.add_stage(stage, run.held_s, slot.usd_per_second)
+            if verdict is None:
+                verdict = run.verdict
+            else:
+                verdict.merge(run.verdict)
+            if verdict.status != PASS:
+                break
     return verdict
 
 
 STAGE_TASKS = {"compile": compile_stage, "check": check_stage, "bench": microbench_stage}
 
 
-def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float) -> StageRun:
-    return STAGE_TASKS[stage](job, slot, timeout_s)
+def _stage_task(stage: str, job: Job, slot: Slot, timeout_s: float, session: LocalSession | SSHSession | None = None) -> StageRun:
+    return STAGE_TASKS[stage](job, slot, timeout_s, session)
 
 
 def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Charge,
@@ -129,7 +139,7 @@ def _judged(candidate: Candidate, target: Target, slots: list[Slot], charge: Cha
         charge.place(slot.host.name, slot.label, slot.host.gpu_class, slot.gpu)
         start = time.time()
         try:
-            return run_stages(candidate, target, slot, _stage_task, charge, jobs(slot), baselines)
+            return run_stages(candidate, target, slot, _stage_task, charge, jobs(slot), baselines, candidate_session)
         finally:  # while the lease is held: the audit trail that no two candidates shared the slot
             charge.held.append((slot.label, start, time.time()))
 

@@ -116,6 +116,7 @@ def _bench_report(judge, timing: dict) -> bytes:
     timing, the four right probe outputs, `done`."""
     from engine_templates.ops import get_op
     from engine_templates.ops.base import generator
+    from harness.stages import refill_seed
 
     op, spec = get_op("rmsnorm"), judge.plan["shapes"][0]
     shape = judge.shapes[spec["shape"]]
@@ -127,7 +128,7 @@ def _bench_report(judge, timing: dict) -> bytes:
         for j in (0, len(spec["sets"]) - 1):
             args = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
             if phase == "refill":
-                fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["refill"][j]), "normal")
+                fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", refill_seed(spec, j)), "normal")
                 args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                              for i, a in enumerate(args))
             probes += _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")
@@ -137,9 +138,11 @@ def _bench_report(judge, timing: dict) -> bytes:
 def _refilled_report(judge, refilled: str) -> bytes:
     """A complete bench report of wall-clock timings whose two refilled calls (call 3 of each) return
     the op on the refilled inputs (`refilled="new"`), on the set's own values ("stale"), or are not
-    reported ("none")."""
+    reported ("none"); with "leaked", right too, but a plain call of the same set after them (call 5)
+    returns what the refilled values give."""
     from engine_templates.ops import get_op
     from engine_templates.ops.base import generator
+    from harness.stages import refill_seed
 
     op = get_op("rmsnorm")
     report = b"".join(_frame("baseline", label=i["shape"], eager_us=50.0, eager_how="wall", eager_fallback="",
@@ -156,14 +159,17 @@ def _refilled_report(judge, refilled: str) -> bytes:
     for k, spec in enumerate(judge.plan["shapes"]):
         shape, last = judge.shapes[spec["shape"]], len(spec["sets"]) - 1
         report += _frame("timing", label=spec["shape"], dims={}, candidate_us=1.0, candidate_us_repeat=1.0,
-                         method="wall", sets=len(spec["sets"]), graph_outputs=0 if refilled == "none" else 2)
+                         method="wall", sets=len(spec["sets"]),
+                         graph_outputs={"none": 0, "leaked": 4}.get(refilled, 2))
         for run, seed in zip(("wall", "wall-repeat"), spec["timed_refill"]):
             if refilled != "none":
-                on = args(shape, spec["sets"][3 % len(spec["sets"])], seed if refilled == "new" else None)
+                on = args(shape, spec["sets"][3 % len(spec["sets"])], None if refilled == "stale" else seed)
                 report += _frame("outputs", [op.eager(*on)], item=f"bench/{k}/{run}-refilled/3")
+            if refilled == "leaked":
+                report += _frame("outputs", [op.eager(*on)], item=f"bench/{k}/{run}/5")
         for phase in ("timed", "refill"):
             for j in (0, last):
-                on = args(shape, spec["sets"][j], spec["refill"][j] if phase == "refill" else None)
+                on = args(shape, spec["sets"][j], refill_seed(spec, j) if phase == "refill" else None)
                 report += _frame("outputs", [op.eager(*on)], item=f"bench/{k}/{phase}/{j}")
     return report + _frame("done")
 
@@ -184,6 +190,18 @@ def test_a_call_on_inputs_refilled_while_timed_is_judged_on_the_new_values_and_m
     n = len(judge.plan["shapes"])
     assert v.failing_gate.detail == (f"0 outputs of calls on inputs refilled while timed reported; each of the {n} "
                                      "shapes' two timings has one")
+
+
+def test_a_result_cached_while_a_set_was_refilled_and_returned_later_for_its_own_values_is_caching():
+    """The timings refill sets in place as they go: a candidate that caches on pointer can get the
+    refilled call right (it recomputed) and return that result later, on the set's own values. That
+    call fails, and the judge names it `caching`, for the values the result belongs to."""
+    judge, v = _judge("bench")
+    _read(judge, _refilled_report(judge, "leaked"))
+    assert (v.status, v.failing_gate.name) == ("fail", "caching"), v.to_json()
+    assert v.failing_gate.detail.startswith(
+        "decode_b1 (call 5 of the wall timing, input set 1, refilled between two timed calls before it: the result of "
+        "those values, returned for its own): output relative error"), v.failing_gate.detail
 
 
 def test_a_harness_gate_named_by_the_candidate_is_protocol_without_a_crash_flag():
@@ -305,9 +323,9 @@ def test_a_harness_function_patched_at_run_time_fails_timer_integrity():
 # -- timed = judged: what the timing keeps for the judge -----------------------------------------
 
 def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned():
-    """The first, the last and drawn calls of a wall-clock run, copied as each returned (call c
-    ran on input set c % sets); a drawn call whose outputs take another form than its warm-up's
-    is named instead, for `timed_outputs` to fail."""
+    """The first, the last and drawn calls of a wall-clock run (a uniform sample of 32, which may
+    hold the last), copied as each returned (call c ran on input set c % sets); a kept call whose
+    outputs take another form than its warm-up's is named instead, for `timed_outputs` to fail."""
     from harness.timing import Method, median_us
 
     sets = [(torch.randn(4, 64),) for _ in range(2)]
@@ -319,8 +337,8 @@ def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned()
 
     timed = median_us(doubles, sets, Method("cpu", warmup_ms=0, rep_ms=5))
     n_timed = len(calls) - 2  # a warm-up (the model of the copies' buffers) and an estimate go first
-    assert timed.how == "wall" and not timed.misfit and 3 <= n_timed <= 50
-    assert {0, n_timed - 1} <= set(timed.outputs) and len(timed.outputs) == min(n_timed, 34)
+    assert timed.how == "wall" and not timed.misfit and 10 <= n_timed <= 50 and timed.reps == n_timed
+    assert {0, n_timed - 1} <= set(timed.outputs) and min(n_timed, 33) <= len(timed.outputs) <= min(n_timed, 34)
     for c, (out,) in timed.outputs.items():
         assert calls[2 + c] is sets[c % 2][0] and torch.equal(out, sets[c % 2][0] * 2)
 
@@ -331,13 +349,15 @@ def test_calls_timed_by_the_wall_clock_are_kept_for_the_judge_as_they_returned()
     calls.clear()
     timed = median_us(widens, sets, Method("cpu", warmup_ms=0, rep_ms=5))
     assert not timed.outputs
-    assert re.fullmatch(r"call 0 of \d+ returned float64 \(4, 64\) where its warm-up returned float32 \(4, 64\)",
+    assert re.fullmatch(r"call 0 of the timed run returned float64 \(4, 64\) where its warm-up returned float32 \(4, 64\)",
                         timed.misfit), timed.misfit
 
 
-def test_a_wall_clock_run_refills_one_set_between_two_calls_and_puts_it_back():
-    """One call drawn past the first runs on the new values (its outputs kept for the judge), every
-    other on its set's own, and the sets hold their own values again after the run."""
+def test_a_wall_clock_run_refills_sets_between_two_calls_and_puts_them_back():
+    """Call c (from 1) runs on the new values with chance 1/c — call 1 always — so the last such
+    call falls uniformly over a run whose length the confidence rule decides; that call's outputs
+    are kept for the judge, every other call runs on its set's own values, and the sets hold their
+    own values again after the run."""
     from harness.timing import Method, median_us
 
     sets = [(torch.randn(4, 64),) for _ in range(2)]
@@ -349,9 +369,10 @@ def test_a_wall_clock_run_refills_one_set_between_two_calls_and_puts_it_back():
 
     timed = median_us(doubles, sets, Method("cpu", warmup_ms=0, rep_ms=5), fresh)
     n_timed, r = len(seen) - 2, timed.refilled
-    assert 1 <= r < n_timed and torch.equal(timed.outputs[r][0], fresh[0] * 2)
-    for c in range(n_timed):
-        assert torch.equal(seen[2 + c], fresh[0] if c == r else own[c % 2]), c
+    on_new = [c for c in range(n_timed) if torch.equal(seen[2 + c], fresh[0])]
+    assert on_new[0] == 1 and on_new[-1] == r and 1 <= r < n_timed and torch.equal(timed.outputs[r][0], fresh[0] * 2)
+    for c in set(range(n_timed)) - set(on_new):
+        assert torch.equal(seen[2 + c], own[c % 2]), c
     assert all(torch.equal(s[0], o) for s, o in zip(sets, own))
 
 

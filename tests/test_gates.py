@@ -45,6 +45,9 @@ def test_honest_torch_module_passes_every_stage():
     assert verdict.stages == ["compile", "check", "bench"]
     assert {g.name for g in verdict.gates} == {"screen", "compile", "correctness", "speed_of_light"}
     assert [t.label for t in verdict.timings] == ["decode_b1", "decode_b4", "prefill_40"]
+    # each timing's repetitions, as many as the confidence rule asked (the wall clock: 3 to 50)
+    assert all(len(t.reps) == 2 and all(3 <= n <= 50 for n in t.reps) and len(t.steady) == 2
+               for t in verdict.timings), verdict.to_json()
     assert 0 < verdict.max_rel_error < TARGET.tolerance
     assert "network: none" in verdict.device["isolation"] or "not isolated" in verdict.device["isolation"]
     assert verdict.score() > 0 and set(charge.stage_seconds) == {"compile", "check", "bench"}
@@ -557,11 +560,12 @@ def _probe_frame(judge, phase: str, j: int) -> bytes:
     """The first shape's `phase` probe output (timed or refill) of input set j, right."""
     from engine_templates.ops import get_op
     from engine_templates.ops.base import generator
+    from harness.stages import refill_seed
 
     op, spec, shape = get_op("rmsnorm"), judge.plan["shapes"][0], judge.shapes["decode_b1"]
     args = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["sets"][j]), "normal")
     if phase == "refill":
-        fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", spec["refill"][j]), "normal")
+        fresh = op.inputs(shape, torch.float32, "cpu", generator("cpu", refill_seed(spec, j)), "normal")
         args = tuple(a if op.is_persistent(i) or not isinstance(a, torch.Tensor) else fresh[i]
                      for i, a in enumerate(args))
     return _frame("outputs", [op.eager(*args)], item=f"bench/0/{phase}/{j}")

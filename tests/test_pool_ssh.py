@@ -355,3 +355,45 @@ def test_a_command_past_its_limit_is_a_host_fault_not_a_lost_connection(loopback
         assert run_command(client, host, "echo still here", 10) == (0, "still here\n", "")
     finally:
         client.close()
+
+
+def test_a_candidates_stages_run_in_one_session_on_the_host_and_a_hang_stops_at_its_stages_limit(loopback):
+    """Over SSH too, a candidate's three stages drive one supervisor and one sandbox on the host
+    (gpu_pool/ssh.py's SSHSession): one sandbox process id in every stage's verdict, the next
+    candidate another; a candidate that hangs in its check stage is stopped at the check stage's
+    limit, and its session's directory on the host is gone after either."""
+    from contract.job import Candidate
+    from gpu_pool.executors import candidate_session, run_stage
+    from tasks.evaluate import run_stages
+    from tracking.ledger import Charge
+
+    host = loopback.host(loopback.servers[1])
+    slot = Pool(hosts=[host]).slots()[0]
+    candidates = Path(__file__).resolve().parent / "session_candidates"
+    seen: list[list[str]] = []
+
+    def stage(name, job, slot, limit, session):
+        run = run_stage(job, slot, limit, session)
+        seen[-1].append(run.verdict.device.get("sandbox", ""))
+        return run
+
+    def evaluate(source: str, target: Target):
+        seen.append([])
+        return run_stages(Candidate("rmsnorm", "free", source=source, origin="test"), target, slot, stage, Charge(),
+                          session=candidate_session)
+
+    honest = (candidates / "finds_state.py").read_text()
+    target = Target(model="tiny", dtype="fp32", budget={"stage_timeout_s": 120, "check_timeout_s": 10})
+    first, second = evaluate(honest, target), evaluate(honest + "\n# another candidate\n", target)
+    assert (first.status, second.status) == ("pass", "pass"), first.to_json()
+    pids = [{entry.split(",")[0] for entry in stages} for stages in seen]
+    assert [len(p) for p in pids] == [1, 1] and pids[0] != pids[1]
+    assert [entry.split(", ")[1] for entry in seen[0]] == [f"stage {n} of its session" for n in (1, 2, 3)]
+
+    hangs = (candidates / "hangs_after.py").read_text().replace("HANG_AFTER = 0", "HANG_AFTER = 5")  # compile's 5 calls
+    t = time.monotonic()
+    hung = evaluate(hangs, target)
+    assert (hung.status, hung.failing_gate.name) == ("crash", "time_limit"), hung.to_json()
+    assert hung.failing_gate.detail.startswith("check stage ran past its 10 s limit")
+    assert hung.stages == ["compile", "check"] and time.monotonic() - t < 120
+    assert not list((Path(host.workdir) / "runs").glob("*-session-*"))
