@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from contract.images import ImageAccuracyRules, ImagePattern, ImageServeJob
-from engine_templates.sam3_engine.config import write_random_checkpoint
+from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from harness.serve.images import draw_image, engine_argv, reference_side, serve_images
 from harness.serve.server import ServerProcess, free_ports
 
@@ -24,7 +24,9 @@ CANDIDATES = Path(__file__).parent / "sam3_candidates"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_random_checkpoint("sam3-tiny", tmp_path_factory.mktemp("sam3") / "sam3-tiny")
+    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
+    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
+    return out
 
 
 def _job(checkpoint: Path, patterns=()) -> ImageServeJob:
@@ -109,7 +111,7 @@ def test_image_stage_end_to_end_with_aiperf(checkpoint, tmp_path):
     assert not bad.runs  # no load for a wrong engine
 
 
-@pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "unknown preset", "port taken"])
+@pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "port taken"])
 def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case):
     import socket
 
@@ -126,7 +128,6 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
             "bad impl": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
                          "--kernels", str(kernels)],
             "no model dir": ["serve", "--model-dir", str(tmp_path / "nothing"), "--device", "cpu"],
-            "unknown preset": ["random-checkpoint", "--model", "sam4", "--out", str(tmp_path / "x")],
             "port taken": ["serve-reference", "--model-dir", str(checkpoint), "--device", "cpu",
                            "--port", str(held.getsockname()[1])]}[case]
     try:
@@ -136,7 +137,7 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
     err = capsys.readouterr().err.strip()
     says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, attention)",
             "bad impl": "gelu: expected", "no model dir": "not a SAM 3 model directory",
-            "unknown preset": "unknown SAM 3 preset 'sam4'", "port taken": "cannot listen on"}[case]
+            "port taken": "cannot listen on"}[case]
     assert len(err.splitlines()) == 1 and says in err, err
 
 
