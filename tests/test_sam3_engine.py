@@ -86,6 +86,41 @@ def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference)
     assert 0.05 < (logits.abs() > RULES.mask_margin).float().mean() < 0.95
 
 
+def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint, reference):
+    """templates.json: layernorm, gelu and vision_attention as the op registry's Triton templates
+    (the interpreter on a CPU) at their default points; the engine's answers stay within the
+    tolerance of the eager engine above, and the gate passes them."""
+    from engine_templates.ops import OPS
+    from engine_templates.sam3_engine.ops import TEMPLATES_FILE
+
+    kernels = Sam3Kernels.from_file(TEMPLATES_FILE)
+    assert {op: c["impl"] for op, c in kernels.choices.items()} == {
+        "layernorm": "template", "gelu": "template", "vision_attention": "template", "attention": "eager"}
+    for op, choice in kernels.choices.items():  # the file names each template's default point
+        if choice["impl"] == "template":
+            assert choice["point"] == OPS[op].templates[choice["template"]].default, op
+    held = _held_out()
+    images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in held]
+    got = Sam3Engine(checkpoint, "fp32", "cpu", kernels).segment(images)
+    for image, outs in zip(images, got):
+        for mine, theirs in zip(outs, reference(image)):
+            assert torch.allclose(mine.scores, theirs.scores, atol=1e-5)
+            assert torch.allclose(mine.boxes, theirs.boxes, atol=1e-5)
+            assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    passed, detail, _ = judge(_answers(Sam3Engine(checkpoint, "bf16", "cpu", kernels).segment, held, expected),
+                              expected, RULES)
+    assert passed, detail
+
+
+def test_the_reference_ops_match_transformers(checkpoint, reference):
+    specs = {op: KernelSpec(impl="reference") for op in ("layernorm", "gelu", "vision_attention")}
+    engine = Sam3Engine(checkpoint, "fp32", "cpu", Sam3Kernels(specs))
+    image = Image(pixel_values(decode_image(_held_out()[0][0]), SIZE), ["a cat", "a red dog"])
+    for mine, theirs in zip(engine.segment([image])[0], reference(image)):
+        assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
+
+
 def test_prompt_embeddings_are_cached_per_prompt(checkpoint):
     engine = _engine(checkpoint)
     pixels = pixel_values(decode_image(_held_out()[0][0]), SIZE)
