@@ -95,7 +95,8 @@ def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint,
 
     kernels = Sam3Kernels.from_file(TEMPLATES_FILE)
     assert {op: c["impl"] for op, c in kernels.choices.items()} == {
-        "layernorm": "template", "gelu": "template", "vision_attention": "template", "attention": "eager"}
+        "layernorm": "template", "gelu": "template", "vision_attention": "template", "vision_linear": "template",
+        "attention": "eager"}
     for op, choice in kernels.choices.items():  # the file names each template's default point
         if choice["impl"] == "template":
             assert choice["point"] == OPS[op].templates[choice["template"]].default, op
@@ -114,7 +115,7 @@ def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint,
 
 
 def test_the_reference_ops_match_transformers(checkpoint, reference):
-    specs = {op: KernelSpec(impl="reference") for op in ("layernorm", "gelu", "vision_attention")}
+    specs = {op: KernelSpec(impl="reference") for op in ("layernorm", "gelu", "vision_attention", "vision_linear")}
     engine = Sam3Engine(checkpoint, "fp32", "cpu", Sam3Kernels(specs))
     image = Image(pixel_values(decode_image(_held_out()[0][0]), SIZE), ["a cat", "a red dog"])
     for mine, theirs in zip(engine.segment([image])[0], reference(image)):

@@ -135,7 +135,7 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
     finally:
         held.close()
     err = capsys.readouterr().err.strip()
-    says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, attention)",
+    says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, vision_linear, attention)",
             "bad impl": "gelu: expected", "no model dir": "not a SAM 3 model directory",
             "port taken": "cannot listen on"}[case]
     assert len(err.splitlines()) == 1 and says in err, err

@@ -7,7 +7,7 @@ kernels file says (the text engine's format, engine/kernels.py):
 `eager` (the default) is the PyTorch function below; `free` a Python file defining a function
 named after the op; `template` (an op's Triton template at a point, its default where the file
 names none) and `reference` (its float64 oracle) come from the op registry (engine_templates/ops)
-for `layernorm`, `gelu` and `vision_attention`, whose call signatures these are.
+for `layernorm`, `gelu`, `vision_attention` and `vision_linear`, whose call signatures these are.
 templates.json beside this file names every registry op's template at its default point.
 
     layernorm(x, weight, bias, eps)              every nn.LayerNorm of the model; x contiguous
@@ -16,6 +16,10 @@ templates.json beside this file names every registry op's template at its defaul
                                                  (B, S, H, D), a sequence a window or an image,
                                                  the 2-D rotary table cos, sin (S, D) float32
                                                  applied to q and k; out (B, S, H, D)
+    vision_linear(x, weight, bias)               every projection of the ViT: x (tokens, in),
+                                                 weight (out, in), bias (out,); out (tokens, out).
+                                                 q, k and v are one call (their weights stacked,
+                                                 the three projections views into them)
     attention(q, k, v, mask, scaling, is_causal) every other attention (CLIP text encoder, DETR
                                                  encoder and decoder, mask decoder): mask additive
                                                  or boolean, broadcast to (B, H, Sq, Sk); out
@@ -36,7 +40,7 @@ from engine_templates.engine.kernels import KernelFileError, _load_free, parse_k
 
 log = logging.getLogger("infersmith.sam3")
 TEMPLATES_FILE = Path(__file__).with_name("templates.json")  # every registry op at its template's default point
-SAM3_OPS = ("layernorm", "gelu", "vision_attention", "attention")
+SAM3_OPS = ("layernorm", "gelu", "vision_attention", "vision_linear", "attention")
 ATTENTION_NAME = "infersmith_sam3"  # the attention implementation transformers' modules are set to
 
 
@@ -70,7 +74,12 @@ def attention(q, k, v, mask, scaling: float, is_causal: bool = False) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal).transpose(1, 2)
 
 
-EAGER = {"layernorm": layernorm, "gelu": gelu, "vision_attention": vision_attention, "attention": attention}
+def vision_linear(x, weight, bias) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+EAGER = {"layernorm": layernorm, "gelu": gelu, "vision_attention": vision_attention, "vision_linear": vision_linear,
+         "attention": attention}
 
 
 class Sam3Kernels:
@@ -122,16 +131,32 @@ class _SeamGELU(nn.Module):
         return self.kernels.gelu(x.contiguous())  # the FPN's come channels-last: a copy
 
 
+class _SeamLinear(nn.Linear):
+    def forward(self, x):
+        y = self.kernels.vision_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return y.view(*x.shape[:-1], -1)
+
+
 def _vit_attention_forward(self, hidden_states, position_embeddings, **kwargs):
-    """Sam3ViTRoPEAttention.forward with the rotary and the attention one op."""
-    batch, height, width, _ = hidden_states.shape
-    shape = (batch, height * width, self.num_attention_heads, self.head_dim)
-    q = self.q_proj(hidden_states).view(*shape)
-    k = self.k_proj(hidden_states).view(*shape)
-    v = self.v_proj(hidden_states).view(*shape)
+    """Sam3ViTRoPEAttention.forward with q, k and v one projection, and the rotary and the
+    attention one op."""
+    batch, height, width, channels = hidden_states.shape
+    qkv = self.kernels.vision_linear(hidden_states.reshape(-1, channels), self.qkv_weight, self.qkv_bias)
+    q, k, v = qkv.view(batch, height * width, 3, self.num_attention_heads, self.head_dim).unbind(2)
     cos, sin = (t.reshape(height * width, self.head_dim).float().contiguous() for t in position_embeddings)
     out = self.kernels.vision_attention(q, k, v, cos, sin, self.scaling)
     return self.o_proj(out.reshape(batch, height, width, -1)), None
+
+
+def _stack_qkv(attention: nn.Module) -> None:
+    """One (3C, C) weight and (3C,) bias for q, k and v; the three projections become views of
+    them (no memory added)."""
+    for kind in ("weight", "bias"):
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        stacked = torch.cat([getattr(p, kind).detach() for p in projections])
+        for p, part in zip(projections, stacked.chunk(3)):
+            setattr(p, kind, nn.Parameter(part, requires_grad=False))
+        setattr(attention, f"qkv_{kind}", stacked)
 
 
 def register_attention() -> None:
@@ -150,10 +175,14 @@ def register_attention() -> None:
 
 
 def install(model: nn.Module, kernels: Sam3Kernels) -> None:
-    """Routes the model's layer norms, GELUs and attentions through `kernels`."""
+    """Routes the model's layer norms, GELUs, attentions and ViT projections through `kernels`."""
     from transformers.activations import GELUActivation
     from transformers.models.sam3.modeling_sam3 import Sam3ViTRoPEAttention
 
+    for layer in model.vision_encoder.backbone.layers:
+        for linear in (layer.attention.o_proj, layer.mlp.fc1, layer.mlp.fc2):
+            linear.__class__ = _SeamLinear
+        _stack_qkv(layer.attention)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.LayerNorm:
