@@ -46,6 +46,13 @@ def _run(args) -> int:
 
     if not (args.model_dir / "config.json").is_file() or not (args.model_dir / "tokenizer.json").is_file():
         raise _UsageError(f"not a SAM 3 model directory: {args.model_dir} needs config.json and tokenizer.json")
+    from engine_templates.hf_config import ConfigError
+    from engine_templates.vision import sam3_dims
+
+    try:
+        sam3_dims(str(args.model_dir))  # the vision target's reader: a language model's config is one line
+    except ConfigError as e:
+        raise _UsageError(str(e)) from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = args.served_model_name or args.model_dir.name
     try:
