@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
-from engine_templates.sam3_engine.config import write_random_checkpoint
+from engine_templates.engine.random_checkpoint import write_random_checkpoint
 
 CANDIDATES = Path(__file__).parent / "sam3_candidates"
 # One small pattern: AIPerf's own start-up dominates; margin -99%: a CPU's speed is not judged here.
@@ -23,7 +23,9 @@ SERVING = {"traffic": [{"name": "c2", "concurrency": 2, "request_count": 6, "war
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_random_checkpoint("sam3-tiny", tmp_path_factory.mktemp("sam3") / "sam3-tiny")
+    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
+    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
+    return out
 
 
 @pytest.fixture(scope="module")
