@@ -8,6 +8,9 @@ Each run has a tracking home of its own under --home, so no run sees another's h
   <op>/warm-S/   --target, TPE with seed S, started from the source's published entries (copied in)
 A finished run leaves scores.json in its home and is not run again: a command cut short by a time
 limit goes on where it stopped when called again (an unfinished run starts over); --fresh forgets.
+An op written SOURCE_OP:OP (e.g. rmsnorm:layernorm) is optimized as SOURCE_OP on --source and as
+OP on --target: a vision op warm-started from a text op's entries (tracking/knowledge/warm.py,
+CARRY_OVER), e.g. --source qwen3-8b --target sam3 --ops rmsnorm:layernorm,linear:vision_linear.
 Run from the repo root: python3 bench/warm_start.py [--ops rmsnorm,silu_mul] [--budget 16] ...
 """
 from __future__ import annotations
@@ -67,7 +70,7 @@ def reached(scores: list[float | None], best: float) -> int | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ops", default="rmsnorm,silu_mul")
+    p.add_argument("--ops", default="rmsnorm,silu_mul", help="ops, or SOURCE_OP:OP pairs (rmsnorm:layernorm)")
     p.add_argument("--source", default="qwen3-8b", help="model preset whose published winners start the warm run")
     p.add_argument("--target", default="qwen3-1.7b", help="model preset both runs optimize")
     p.add_argument("--budget", type=int, default=16, help="candidates of every run")
@@ -84,16 +87,18 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (interpreter: says nothing of a GPU)"
     rows = []
-    for op in args.ops.split(","):
-        source = root / op / "source"
-        run(source, op, args.source, args.budget, 0, publish=True)
-        published = KnowledgeBase(source / "knowledge").entries("published", op)
+    for pair in args.ops.split(","):
+        source_op, _, op = pair.rpartition(":")
+        source_op = source_op or op
+        source = root / source_op / "source"
+        run(source, source_op, args.source, args.budget, 0, publish=True)
+        published = KnowledgeBase(source / "knowledge").entries("published", source_op)
         for seed in (int(s) for s in args.seeds.split(",")):
             cold = run(root / op / f"cold-{seed}", op, args.target, args.budget, seed)
             warm = run(root / op / f"warm-{seed}", op, args.target, args.budget, seed, warm_from=source)
             cold_best = max((s for s in cold if s is not None), default=None)
             warm_best = max((s for s in warm if s is not None), default=None)
-            rows.append([op, seed, len(published), _x(cold_best), reached(cold, cold_best) if cold_best else "-",
+            rows.append([pair, seed, len(published), _x(cold_best), reached(cold, cold_best) if cold_best else "-",
                          _x(warm_best), (reached(warm, cold_best) or f"not in {len(warm)}") if cold_best else "-"])
     head = ["op", "seed", "entries published", "cold best", "cold: candidates to its best", "warm best",
             "warm: candidates to the cold best"]

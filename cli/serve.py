@@ -32,6 +32,9 @@ def _serve_target(args, candidates: int = 1, wall_clock: float = 3600.0, plateau
             raise UsageError(f"{args.serving}: not valid YAML or JSON ({str(e).splitlines()[0]})") from None
         if not isinstance(loaded, dict):
             raise UsageError(f"{args.serving}: expected a mapping of serving settings (traffic, accuracy, ...)")
+        image_keys = {"image_size", "prompts_per_image"}
+        if any(isinstance(t, dict) and image_keys & set(t) for t in loaded.get("traffic") or []):
+            raise UsageError(f"{args.serving} is a serving file of the image stage; {args.model} is a text model")
         serving |= loaded
     if args.baseline:
         serving["baseline"] = args.baseline
@@ -162,6 +165,9 @@ def _fmt(v) -> str:
 
 
 def cmd_serve_bench(args) -> int:
+    vision = _vision_target(args)
+    if vision is not None:
+        return _serve_bench_images(args, vision)
     target = _serve_target(args)
     if args.candidate is not None:
         _check_command(args.candidate, "--candidate")
@@ -179,7 +185,11 @@ def cmd_serve_bench(args) -> int:
     except _serve_errors() as e:
         print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    return _print_bench(result, args.json)
+
+
+def _print_bench(result: dict, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(result, indent=1, default=str))
     else:
         rows = [["pattern", "metric", "better", "candidate", "baseline", "vs baseline"]]
@@ -194,9 +204,83 @@ def cmd_serve_bench(args) -> int:
     return 0 if result["verdict"] == "pass" else 1
 
 
+def _vision_target(args):
+    """The target when --model (or the checkpoint --model-dir names) is a vision model, else None."""
+    if args.model is None:  # as _serve_target reads it
+        args.model = args.model_dir if (Path(args.model_dir) / "config.json").is_file() else "qwen3-8b"
+    target = target_of(args)
+    return target if target.modality == "vision" else None
+
+
+# The text stage's options that the image stage has no use for: (option, set?, why).
+TEXT_ONLY = (("--candidate", lambda a: a.candidate is not None, "the image stage serves SAM 3's engine"),
+             ("--spec-tokens", lambda a: a.spec_tokens != 0, "speculative decoding is the text engine's"),
+             ("--spec-ngram", lambda a: a.spec_ngram != 3, "speculative decoding is the text engine's"),
+             ("--baseline", lambda a: a.baseline not in (None, "reference"),
+              "the image stage's baseline is the reference server"),
+             ("--reference-model-dir", lambda a: a.reference_model_dir is not None,
+              "the reference loads --model-dir in fp32"),
+             ("--dtype fp8", lambda a: a.dtype == "fp8", "the SAM 3 engine has no FP8 weights"))
+
+
+def image_settings(args) -> dict:
+    """The image stage's serving settings: the defaults (contract/images.py), a --serving file
+    (JSON: traffic, accuracy, margin) over them, then --patterns and --margin."""
+    from dataclasses import asdict
+
+    from contract.images import PATTERNS, ImageAccuracyRules, serving_file
+
+    try:
+        patterns, rules, margin = serving_file(args.serving) if args.serving else (PATTERNS, ImageAccuracyRules(), None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.patterns:
+        unknown = sorted(set(args.patterns) - {p.name for p in patterns})
+        if unknown:
+            raise UsageError(f"no traffic pattern {', '.join(unknown)}; the image stage has "
+                             f"{', '.join(p.name for p in patterns)}")
+        patterns = tuple(p for p in patterns if p.name in args.patterns)
+    margin = args.margin if args.margin is not None else margin if margin is not None else 0.02
+    return {"traffic": [asdict(p) for p in patterns], "accuracy": asdict(rules), "margin": margin}
+
+
+def _serve_bench_images(args, target) -> int:
+    """serve-bench for a vision target: the image stage (docs/images.md) on this machine's pool slots."""
+    for option, given, why in TEXT_ONLY:
+        if given(args):
+            raise UsageError(f"{option} is an option of the text stage; {target.model} is a vision model ({why})")
+    serving = image_settings(args)
+    pool, slots = pool_with(args.pool, target.gpu_class)
+    remote = sorted({s.host.name for s in slots if not s.host.is_local})
+    if remote:
+        raise UsageError(f"the image stage runs on this machine's slots only; the pool's hosts {', '.join(remote)} "
+                         "are reached over SSH")
+    model_dir = _model_dir(args.model_dir)
+    try:
+        arch = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UsageError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+    if arch != "sam3":
+        raise UsageError(f"{args.model_dir} holds a {arch} checkpoint, not SAM 3's (model_type sam3)")
+    if args.kernels and not Path(args.kernels).is_file():
+        raise UsageError(f"no kernels file {args.kernels}")
+    from flows.optimize_engine import serve_bench_images
+
+    open_store()
+    try:
+        result = serve_bench_images(str(model_dir), target, serving, args.kernels, pool)
+    except _serve_errors() as e:
+        print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
+        return 1
+    return _print_bench(result, args.json)
+
+
 def cmd_optimize_engine(args) -> int:
     if args.kernels_per_op < 0:
         raise UsageError(f"--kernels-per-op must be at least 0 (0: every op eager), not {args.kernels_per_op}")
+    if _vision_target(args) is not None:
+        raise UsageError(f"optimize-engine searches the text engine; {args.model} is a vision model "
+                         "(serve-bench runs the image stage once)")
     target = _serve_target(args, args.budget, args.wall_clock, args.plateau)
     if args.engine_spec:
         from targets.engine_spec import SpecError, load_spec

@@ -2,7 +2,8 @@
 scores): its traffic patterns, its accuracy rules, its job. Plain dataclasses, standard library."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 # name: (AIPerf metric, statistic, higher is better). One image a request, so AIPerf's requests
@@ -72,3 +73,36 @@ class ImageServeJob:
     pattern_timeout_s: float
     python: str
     reference_dtype: str = "fp32"  # the full-precision reference
+
+
+def serving_file(path: Path) -> tuple[tuple[ImagePattern, ...], ImageAccuracyRules, float | None]:
+    """A serving file of the image stage (JSON): `traffic` (a list of ImagePattern fields),
+    `accuracy` (ImageAccuracyRules fields), `margin`; each left out keeps the defaults. A mistake
+    is a ValueError naming it."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read serving file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(raw, dict) or set(raw) - {"traffic", "accuracy", "margin"}:
+        raise ValueError(f"{path}: expected an object of traffic, accuracy and margin")
+
+    def build(cls, values, where):
+        known = {f.name for f in fields(cls)}
+        if not isinstance(values, dict) or set(values) - known:
+            raise ValueError(f"{path}: {where}: expected an object of {', '.join(sorted(known))}")
+        try:
+            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+        except TypeError as e:
+            raise ValueError(f"{path}: {where}: {e}") from None
+
+    traffic = raw.get("traffic")
+    if traffic is not None and (not isinstance(traffic, list) or not traffic):
+        raise ValueError(f"{path}: traffic: expected a non-empty list of patterns")
+    patterns = tuple(build(ImagePattern, p, f"traffic[{i}]") for i, p in enumerate(traffic)) if traffic else PATTERNS
+    rules = build(ImageAccuracyRules, raw.get("accuracy", {}), "accuracy")
+    margin = raw.get("margin")
+    if margin is not None and not isinstance(margin, (int, float)):
+        raise ValueError(f"{path}: margin: expected a number")
+    return patterns, rules, margin

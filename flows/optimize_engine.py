@@ -18,6 +18,7 @@ from proposers.engine_spec import SpecProposer
 from targets import Target
 from targets.engine_spec import load_spec, spec_path
 from tasks.serve import EngineOutcome, one_line
+from tasks.serve_images import ImageBench
 from tracking.history import kernel_choices
 
 
@@ -86,6 +87,21 @@ def serve_bench(model_dir: str, target: Target = Target(), kernels: dict | None 
     return {"metrics": metrics, "verdict": outcome.verdict.status, "line": one_line(outcome), "run_id": outcome.run_id,
             "parent_run_id": s.parent, "gates": [g.__dict__ for g in outcome.verdict.gates],
             "table": side_by_side(outcome, target)}
+
+
+@flow(name="serve-bench-images", log_prints=True)
+def serve_bench_images(model_dir: str, target: Target, serving: dict, kernels: str | None = None,
+                       pool: Pool | None = None) -> dict:
+    """The image stage once for a vision target (docs/images.md): the SAM 3 engine with `kernels`
+    (a kernels file; none: every op eager) against the reference server, on every pattern of
+    `serving` (traffic, accuracy, margin). Returns what serve_bench returns."""
+    bench = ImageBench(model_dir, target, serving, kernels, pool)
+    try:
+        run_id, served = bench.run()
+    except BaseException as e:
+        bench.fail(e)
+        raise
+    return bench.finish(run_id, served)
 
 
 def side_by_side(o: EngineOutcome, target: Target) -> list[dict]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from contract.images import ImageServeJob
 from contract.job import Job
 from contract.serve import EngineCandidate, ServeJob
 from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
@@ -14,7 +15,7 @@ from gpu_pool.local import LocalExecutor, LocalSession, StageRun
 from gpu_pool.pool import Slot
 from gpu_pool.ssh import SSHExecutor, SSHSession, connect, run_command
 from gpu_pool.ssh_serve import SSHServe
-from harness.serve import stage
+from harness.serve import images, stage
 
 
 def executor_for(slot: Slot) -> LocalExecutor | SSHExecutor:
@@ -101,3 +102,12 @@ def run_serve(group: list[Slot], job: ServeJob, cand: EngineCandidate, reference
               command: str | None = None) -> stage.Served:
     """The candidate's serve stage on the group's host; a HostFault when that host failed."""
     return serve_sessions(group).candidate(job, cand, reference, out, command)
+
+
+def run_images(group: list[Slot], job: ImageServeJob, kernels: Path | None, out: Path) -> stage.Served:
+    """The image stage (harness/serve/images.py) on the group's host: the reference's answers and
+    baseline, then the SAM 3 engine with `kernels` judged against them. This machine's slots only:
+    the image stage is not yet shipped to a pool host over SSH (the CLI refuses such a pool)."""
+    if not group[0].host.is_local:
+        raise ValueError(f"the image stage runs on this machine's slots only, not on host {group[0].host.name}")
+    return images.stage(job, "sam3-engine", lambda port: images.engine_argv(job, port, kernels), out)

@@ -24,7 +24,8 @@ def make_proposer(name: str, op: str, template: Template, seed: int = 0,
 
 def warm_start_for(name: str, op: str, template: str, scope: RunScope, dtype: str, kb: KnowledgeBase,
                    enabled: bool = True) -> WarmStart:
-    """What proposer `name` starts from: TPE the points of published template winners, the LLM
+    """What proposer `name` starts from: TPE the points of published template winners (for a
+    vision op, also the text ops' that carry over: tracking.knowledge.warm.CARRY_OVER), the LLM
     (`llm`) the nearest published kernels; `random`, the uniform baseline, starts cold."""
     from tracking.knowledge import WarmStart, for_code, for_template
 
@@ -32,4 +33,12 @@ def warm_start_for(name: str, op: str, template: str, scope: RunScope, dtype: st
         return WarmStart(op, off="turned off for this run")
     if name == "random":
         return WarmStart(op, off="random is the uniform baseline: it starts cold")
-    return for_code(op, scope, dtype, kb) if name == "llm" else for_template(op, template, scope, kb)
+    if name == "llm":
+        return for_code(op, scope, dtype, kb)
+    from engine_templates.ops import get_op
+
+    try:
+        templates = get_op(op, dtype).templates
+    except KeyError:
+        templates = {}
+    return for_template(op, template, scope, kb, templates[template].space if template in templates else None)

@@ -3,6 +3,9 @@ and drafts that never leave it. The end-to-end test runs two optimizations on th
 under Prefect's test server, tracked in MLflow on SQLite."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from conftest import CANDIDATES, last_flow_log
 
@@ -241,3 +244,51 @@ def test_a_published_free_kernel_reaches_the_next_llm_run_first_prompt(prefect_s
     out, _ = optimize("tiny-moe", "tpe")
     line = next(x for x in out.splitlines() if x.startswith("warm start:"))
     assert all(f"{i} (free kernel: no template point)" in line for i in ids), line
+
+
+def linear_entry(point: dict, shape_class: str, cid: str) -> Entry:
+    e = entry(point, shape_class=shape_class, cid=cid)
+    e.op, e.winner = "linear", e.winner | {"template": "tiles"}
+    return e
+
+
+VISION = RunScope("layernorm", "sam3-tiny", Target(model="sam3-tiny", dtype="fp32").key(), "cpu")
+
+
+def test_a_vision_op_starts_from_the_text_ops_points_that_fit_its_space(tmp_path):
+    kb = KnowledgeBase(tmp_path / "kb")
+    fits = kb.add(entry(P1))
+    auto = kb.add(entry(P1 | {"num_warps": 0}, shape_class="prefill", cid="a0"))  # rmsnorm's "from the row width"
+    tiles = {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 4, "num_warps": 8, "num_stages": 3}
+    linear = kb.add(linear_entry(tiles, "decode", "11"))
+    small = kb.add(linear_entry(tiles | {"block_m": 16}, "prefill", "12"))  # linear's decode tile: too small here
+    for e in (fits, auto, linear, small):
+        kb.move(e.id, PUBLISHED, by="ada")
+
+    warm = warm_start_for("tpe", "layernorm", "rows", VISION, "fp32", kb)
+    assert warm.points == [(P1, [fits.id])]
+    assert warm.skipped == [(auto.id, "num_warps=0 outside layernorm/rows's space")]
+    linear_warm = warm_start_for("tpe", "vision_linear", "tiles", VISION, "fp32", kb)
+    assert linear_warm.points == [(tiles, [linear.id])]
+    assert linear_warm.skipped == [(small.id, "block_m=16 outside vision_linear/tiles's space")]
+    # a text op's search takes its own points alone, num_warps=0 too; the carry-over runs one way
+    text = warm_start_for("tpe", "rmsnorm", "rows", SCOPE, "fp32", kb)
+    assert sorted(i for _, ids in text.points for i in ids) == sorted([fits.id, auto.id]) and not text.skipped
+    assert warm_start_for("tpe", "gelu", "flat", VISION, "fp32", kb).line() == \
+        "warm start: none (no published knowledge of gelu)"
+
+
+def test_a_layernorm_search_on_sam3_starts_from_a_published_rmsnorm_point(prefect_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERSMITH_HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    kb = KnowledgeBase.from_env()
+    published = kb.add(entry(P2))
+    kb.move(published.id, PUBLISHED, by="ada")
+    result = optimize_op(op="layernorm", target=Target(model="sam3-tiny", dtype="fp32", budget={"candidates": 1}),
+                         proposer="tpe", seed=0)
+    tracker = Tracker(TrackingConfig.from_env())
+    [started] = _children(tracker, "layernorm", result["parent_run_id"])
+    assert started.data.tags[f"{T}proposer"] == KNOWLEDGE and started.data.tags[f"{T}knowledge"] == published.id
+    assert {k.removeprefix("point."): int(v) for k, v in started.data.params.items() if k.startswith("point.")} == P2
+    logged = tracker.client.download_artifacts(result["parent_run_id"], "knowledge.json", str(tmp_path / "dl"))
+    assert json.loads(Path(logged).read_text())["warm_start"]["used"] == [published.id]

@@ -11,19 +11,23 @@ import torch
 
 from contract.images import ImageAccuracyRules
 from engine_templates.engine.config import KernelSpec
-from engine_templates.sam3_engine.config import write_random_checkpoint
+from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from engine_templates.sam3_engine.images import PromptTokenizer, decode_image, pixel_values, reply
 from engine_templates.sam3_engine.model import Image, Sam3Engine, load_model, split
 from engine_templates.sam3_engine.ops import Sam3Kernels
+from engine_templates.vision import SAM3_PRESETS
 from harness.serve.images import image_set, judge, mask_agreement
 
 CANDIDATES = Path(__file__).parent / "sam3_candidates"
+SIZE = SAM3_PRESETS["sam3-tiny"].image_size
 RULES = ImageAccuracyRules(held_out=3, prompts_per_image=3)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_random_checkpoint("sam3-tiny", tmp_path_factory.mktemp("sam3") / "sam3-tiny")
+    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
+    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def _held_out(seed: int = 7):
 def _answers(answer_images, held_out, raw_queries=None) -> list[dict]:
     """Each image's answer as the HTTP API gives it, raw outputs included."""
     decoded = [decode_image(b64) for b64, _ in held_out]
-    images = [Image(pixel_values(im, 112), prompts) for im, (_, prompts) in zip(decoded, held_out)]
+    images = [Image(pixel_values(im, SIZE), prompts) for im, (_, prompts) in zip(decoded, held_out)]
     outs = answer_images(images)
     answers = []
     for k, (im, image, out) in enumerate(zip(decoded, images, outs)):
@@ -69,7 +73,7 @@ def _engine(checkpoint, dtype="fp32", **kernels) -> Sam3Engine:
 def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference):
     engine = _engine(checkpoint)
     held = _held_out()
-    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in held]
+    images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in held]
     got = engine.segment(images)  # every image and prompt in one batched step
     for image, outs in zip(images, got):
         for mine, theirs in zip(outs, reference(image)):
@@ -82,9 +86,45 @@ def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference)
     assert 0.05 < (logits.abs() > RULES.mask_margin).float().mean() < 0.95
 
 
+def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint, reference):
+    """templates.json: layernorm, gelu and vision_attention as the op registry's Triton templates
+    (the interpreter on a CPU) at their default points; the engine's answers stay within the
+    tolerance of the eager engine above, and the gate passes them."""
+    from engine_templates.ops import OPS
+    from engine_templates.sam3_engine.ops import TEMPLATES_FILE
+
+    kernels = Sam3Kernels.from_file(TEMPLATES_FILE)
+    assert {op: c["impl"] for op, c in kernels.choices.items()} == {
+        "layernorm": "template", "gelu": "template", "vision_attention": "template", "vision_linear": "template",
+        "attention": "eager"}
+    for op, choice in kernels.choices.items():  # the file names each template's default point
+        if choice["impl"] == "template":
+            assert choice["point"] == OPS[op].templates[choice["template"]].default, op
+    held = _held_out()
+    images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in held]
+    got = Sam3Engine(checkpoint, "fp32", "cpu", kernels).segment(images)
+    for image, outs in zip(images, got):
+        for mine, theirs in zip(outs, reference(image)):
+            assert torch.allclose(mine.scores, theirs.scores, atol=1e-5)
+            assert torch.allclose(mine.boxes, theirs.boxes, atol=1e-5)
+            assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
+    expected = _answers(lambda images: [reference(im) for im in images], held)
+    passed, detail, _ = judge(_answers(Sam3Engine(checkpoint, "bf16", "cpu", kernels).segment, held, expected),
+                              expected, RULES)
+    assert passed, detail
+
+
+def test_the_reference_ops_match_transformers(checkpoint, reference):
+    specs = {op: KernelSpec(impl="reference") for op in ("layernorm", "gelu", "vision_attention", "vision_linear")}
+    engine = Sam3Engine(checkpoint, "fp32", "cpu", Sam3Kernels(specs))
+    image = Image(pixel_values(decode_image(_held_out()[0][0]), SIZE), ["a cat", "a red dog"])
+    for mine, theirs in zip(engine.segment([image])[0], reference(image)):
+        assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
+
+
 def test_prompt_embeddings_are_cached_per_prompt(checkpoint):
     engine = _engine(checkpoint)
-    pixels = pixel_values(decode_image(_held_out()[0][0]), 112)
+    pixels = pixel_values(decode_image(_held_out()[0][0]), SIZE)
     first = engine.segment([Image(pixels, ["a cat", "a dog"])])
     assert (engine.cache.hits, engine.cache.misses) == (0, 2)
     again = engine.segment([Image(pixels, ["a dog", "a cat"])])
@@ -207,7 +247,7 @@ def test_requests_that_arrive_together_are_one_step(checkpoint):
     from engine_templates.sam3_engine.server import Batcher
 
     engine = _engine(checkpoint)
-    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in _held_out()]
+    images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in _held_out()]
     batcher = Batcher(engine, max_images=2)
     outs = _queued(batcher, images)
     assert (batcher.steps, batcher.images, engine.largest_batch) == (2, 3, 2)  # 3 images, at most 2 a step
@@ -221,7 +261,7 @@ def test_a_failed_step_is_retried_request_by_request(checkpoint):
     from engine_templates.sam3_engine.server import Batcher
 
     engine = _engine(checkpoint, vision_attention="no_batches")
-    images = [Image(pixel_values(decode_image(b), 112), prompts) for b, prompts in _held_out()]
+    images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in _held_out()]
     batcher = Batcher(engine, max_images=8)
     outs = _queued(batcher, images)
     assert not any(isinstance(o, Exception) for o in outs), outs

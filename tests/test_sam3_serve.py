@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from contract.images import ImageAccuracyRules, ImagePattern, ImageServeJob
-from engine_templates.sam3_engine.config import write_random_checkpoint
+from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from harness.serve.images import draw_image, engine_argv, reference_side, serve_images
 from harness.serve.server import ServerProcess, free_ports
 
@@ -24,7 +24,9 @@ CANDIDATES = Path(__file__).parent / "sam3_candidates"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_random_checkpoint("sam3-tiny", tmp_path_factory.mktemp("sam3") / "sam3-tiny")
+    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
+    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
+    return out
 
 
 def _job(checkpoint: Path, patterns=()) -> ImageServeJob:
@@ -109,7 +111,7 @@ def test_image_stage_end_to_end_with_aiperf(checkpoint, tmp_path):
     assert not bad.runs  # no load for a wrong engine
 
 
-@pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "unknown preset", "port taken"])
+@pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "a text model", "port taken"])
 def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case):
     import socket
 
@@ -118,6 +120,10 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
     kernels = tmp_path / "k.json"
     kernels.write_text(json.dumps({"rmsnorm": {"impl": "eager"}} if case == "unknown op" else
                                   {"gelu": {"impl": "magic"}}))
+    text_model = tmp_path / "qwen"
+    text_model.mkdir()
+    (text_model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (text_model / "tokenizer.json").write_text("{}")
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
@@ -126,7 +132,7 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
             "bad impl": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
                          "--kernels", str(kernels)],
             "no model dir": ["serve", "--model-dir", str(tmp_path / "nothing"), "--device", "cpu"],
-            "unknown preset": ["random-checkpoint", "--model", "sam4", "--out", str(tmp_path / "x")],
+            "a text model": ["serve", "--model-dir", str(text_model), "--device", "cpu"],
             "port taken": ["serve-reference", "--model-dir", str(checkpoint), "--device", "cpu",
                            "--port", str(held.getsockname()[1])]}[case]
     try:
@@ -134,9 +140,10 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
     finally:
         held.close()
     err = capsys.readouterr().err.strip()
-    says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, attention)",
+    says = {"unknown op": "rmsnorm: not an op the engine uses (layernorm, gelu, vision_attention, vision_linear, attention)",
             "bad impl": "gelu: expected", "no model dir": "not a SAM 3 model directory",
-            "unknown preset": "unknown SAM 3 preset 'sam4'", "port taken": "cannot listen on"}[case]
+            "a text model": 'model_type "qwen3" is not a SAM 3 config',
+            "port taken": "cannot listen on"}[case]
     assert len(err.splitlines()) == 1 and says in err, err
 
 

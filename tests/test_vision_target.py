@@ -92,7 +92,7 @@ def test_a_sam3_config_the_ops_cannot_take_is_one_line(tmp_path, edit, message):
 
 
 def test_the_unknown_model_error_names_the_vision_presets():
-    with pytest.raises(ConfigError, match=r"neither a model preset \(.*tiny-moe, sam3, sam3-tiny\)"):
+    with pytest.raises(ConfigError, match=r"neither a model preset \(.*tiny-moe, .*sam3, sam3-tiny\)"):
         target_dims("sam4")
 
 
@@ -122,6 +122,13 @@ def test_a_random_sam3_checkpoint_loads_in_transformers_and_is_its_seeds(capsys,
                                                                   config_sha256=sam3_dims(str(tmp_path / "a")).config_sha256)
     model, info = Sam3Model.from_pretrained(str(tmp_path / "a"), output_loading_info=True)
     assert not any(info.values()), info
+    # the SAM 3 engine's model directory: a tokenizer.json over the whole text vocabulary, whose
+    # special ids (<|endoftext|>, <|im_start|>, <|im_end|>) the config names
+    from tokenizers import Tokenizer
+
+    text = model.config.text_config
+    assert Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json")).get_vocab_size() == text.vocab_size
+    assert (text.pad_token_id, text.bos_token_id, text.eos_token_id) == (0, 1, 2)
     # from the config file it wrote, with the same seed: the same weights; another seed, others
     assert run(capsys, "engine", "random-checkpoint", "--config", str(tmp_path / "a"), "--out", str(tmp_path / "b"),
                "--seed", "5", "--device", "cpu")[0] == 0

@@ -216,6 +216,21 @@ class Tracker:
                 self.client.log_text(run.info.run_id, Path(c["path"]).read_text(), f"kernels/{op}.py")
         return run.info.run_id
 
+    def open_image_candidate(self, parent_id: str, scope: RunScope, cand_id: str, label: str,
+                             kernels: str | None) -> str:
+        """A pending child run of the image stage (SAM 3's engine, docs/images.md): the kernels
+        file the engine ran with as `kernels.json` (none: every op eager)."""
+        tags = {"mlflow.parentRunId": parent_id, f"{T}kind": "candidate", f"{T}op": scope.op,
+                f"{T}model": scope.model, f"{T}target": scope.target_key, f"{T}status": PENDING,
+                f"{T}candidate_id": cand_id, f"{T}proposer": "serve-bench", f"{T}template": "engine-images",
+                f"{T}pool_class": scope.gpu_class, f"{T}gpu_class": scope.gpu_class}
+        run = self.client.create_run(self.experiment(scope.op), run_name=label, tags=tags)
+        _batch(self.client, run.info.run_id, params={"candidate.id": cand_id, "modality": "vision",
+                                                     "kernels": "eager" if kernels is None else "file"})
+        if kernels is not None:
+            self.client.log_text(run.info.run_id, kernels, "kernels.json")
+        return run.info.run_id
+
     def finish_engine_candidate(self, run_id: str, verdict: Verdict, metrics: dict[str, float], charge: Charge,
                                 artifacts: Path | None) -> None:
         """Per-pattern metrics `<pattern>/<metric>` beside the baseline's; AIPerf's exports, the

@@ -10,8 +10,9 @@ little English, padded with plain added tokens up to the model's vocabulary so t
 random model emits decodes to text, and Qwen's ChatML chat template.
 
 A vision model (a SAM 3 preset or config, engine_templates/vision.py) is transformers' Sam3Model as
-its own initialisation draws it from the seed, in bf16, written by save_pretrained (config.json and
-safetensors); no tokenizer or image processor.
+its own initialisation draws it from the seed, calibrated so that its masks are not all of one kind
+(see MASK_LOGIT_STD), in bf16, written by save_pretrained (config.json and safetensors), with the
+same tokenizer padded to its text encoder's vocabulary: the SAM 3 engine's model directory.
 """
 from __future__ import annotations
 
@@ -244,10 +245,28 @@ def _writable(out: Path, force: bool) -> Path:
     return out
 
 
+# Random weights of transformers' initialization give mask logits of about 1e-5: no pixel is
+# confidently in or out. The mask embedder's last layer is scaled so that their standard deviation
+# on a random image is MASK_LOGIT_STD, as a trained model's spread over several units either side
+# of 0, and the image accuracy gate sees both kinds of pixel. (The logits are linear in that layer.)
+MASK_LOGIT_STD = 1.5
+# Likewise the ViT's attention is near uniform (q.k of about 1e-3) and adds little to the residual
+# stream: blind to positions. In a ViT of at most GAIN_MAX_LAYERS layers the query and key
+# projections are scaled so that attention picks out neighbours, and the value and output
+# projections so that what it picks counts, as in a trained ViT. A deeper one keeps its draw:
+# many layers of sharpened attention amplify a rounding into a different answer.
+ATTENTION_GAIN = 12.0
+VALUE_GAIN = 6.0
+GAIN_MAX_LAYERS = 4
+
+
 def _write_random_sam3(model: str, out: Path, seed: int, device: str | None, layers: int | None, force: bool,
                        log: Callable[[str], None]) -> dict:
-    """A SAM 3 directory: transformers' Sam3Model at the preset's or config's shape, its weights as
-    the model's own initialisation draws them from `seed` (on `device`), saved in bf16."""
+    """A SAM 3 directory the SAM 3 engine serves: transformers' Sam3Model at the preset's or
+    config's shape, its weights as the model's own initialisation draws them from `seed` (on
+    `device`), calibrated (see MASK_LOGIT_STD) and saved in bf16, and a tokenizer.json: the byte-level
+    BPE of a language model's checkpoint, padded to the text encoder's vocabulary, whose special
+    ids the config's text_config names."""
     from transformers import Sam3Model
     from transformers.utils import logging as hf_logging
 
@@ -263,14 +282,41 @@ def _write_random_sam3(model: str, out: Path, seed: int, device: str | None, lay
     out = _writable(Path(out), force)
     torch.manual_seed(seed)
     with torch.device(device):
-        net = Sam3Model(cfg).to(torch.bfloat16).eval()
+        net = Sam3Model(cfg).eval()
+    with torch.no_grad():
+        _calibrate_sam3(net, cfg, device)
+    net = net.to(torch.bfloat16)
     params = sum(p.numel() for p in net.parameters())
     total = sum(p.numel() * p.element_size() for p in net.parameters())
     log(f"{model} (sam3): {human_size(total)} of random bf16 weights drawn on {device} (seed {seed}) -> {out}")
     out.mkdir(parents=True, exist_ok=True)
     for f in sorted(out.glob("*.safetensors")) + sorted(out.glob("*.safetensors.index.json")):
         f.unlink()  # stale shards of another shape would be read with the new ones
+    vocab = cfg.text_config.vocab_size
+    ids = train_tokenizer(out, bpe_vocab=min(BPE_VOCAB, vocab), pad_to=vocab)
+    text = net.config.text_config
+    text.pad_token_id, text.bos_token_id, text.eos_token_id = (ids[s] for s in SPECIAL)
     net.save_pretrained(out, max_shard_size=MAX_SHARD_BYTES)
     shards = len(list(out.glob("*.safetensors")))
     return {"model": model, "parameters": params, "bytes": total, "shards": shards,
             "seconds": time.perf_counter() - start, "path": str(out)}
+
+
+def _calibrate_sam3(net, cfg, device: str) -> None:
+    """The ViT gains where it is shallow, then the mask embedder's last layer scaled so that the
+    mask logits' std is MASK_LOGIT_STD on a random image and prompt (one float32 forward)."""
+    layers = net.vision_encoder.backbone.layers
+    for layer in layers if len(layers) <= GAIN_MAX_LAYERS else ():
+        layer.attention.q_proj.weight.mul_(ATTENTION_GAIN)
+        layer.attention.k_proj.weight.mul_(ATTENTION_GAIN)
+        layer.attention.v_proj.weight.mul_(VALUE_GAIN)
+        layer.attention.o_proj.weight.mul_(VALUE_GAIN)
+    size = cfg.vision_config.backbone_config.image_size
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(1, 3, size, size, generator=generator)
+    ids = torch.randint(3, cfg.text_config.vocab_size, (1, 8), generator=generator)
+    std = net(pixel_values=pixels.to(device), input_ids=ids.to(device)).pred_masks.float().std().item()
+    last = net.mask_decoder.mask_embedder.layers[-1]
+    last.weight.mul_(MASK_LOGIT_STD / std)
+    if last.bias is not None:
+        last.bias.mul_(MASK_LOGIT_STD / std)

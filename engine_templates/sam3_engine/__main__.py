@@ -1,4 +1,5 @@
-"""`python -m engine_templates.sam3_engine serve | serve-reference | random-checkpoint`."""
+"""`python -m engine_templates.sam3_engine serve | serve-reference` (a random model directory to serve:
+`python -m engine_templates.engine random-checkpoint --preset sam3-tiny`)."""
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,6 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--prompt-cache", type=int, default=1024, help="prompts whose text embeddings are kept")
             s.add_argument("--cuda-graph-batch-sizes", default="1,2,4,8,16,32")
             s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    r = sub.add_parser("random-checkpoint")
-    r.add_argument("--model", default="sam3-tiny")
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -41,21 +38,21 @@ class _UsageError(Exception):
 
 
 def _run(args) -> int:
-    from engine_templates.engine.config import EngineSetupError
-    from engine_templates.sam3_engine import config
-
-    if args.command == "random-checkpoint":
-        if args.model not in config.PRESETS:
-            raise _UsageError(f"unknown SAM 3 preset {args.model!r}; known: {', '.join(config.PRESETS)}")
-        print(config.write_random_checkpoint(args.model, args.out, args.seed))
-        return 0
     import torch
 
+    from engine_templates.engine.config import EngineSetupError
     from engine_templates.engine.server import check_listen
     from engine_templates.sam3_engine import server
 
     if not (args.model_dir / "config.json").is_file() or not (args.model_dir / "tokenizer.json").is_file():
         raise _UsageError(f"not a SAM 3 model directory: {args.model_dir} needs config.json and tokenizer.json")
+    from engine_templates.hf_config import ConfigError
+    from engine_templates.vision import sam3_dims
+
+    try:
+        sam3_dims(str(args.model_dir))  # the vision target's reader: a language model's config is one line
+    except ConfigError as e:
+        raise _UsageError(str(e)) from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     name = args.served_model_name or args.model_dir.name
     try:

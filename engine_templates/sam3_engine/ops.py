@@ -5,14 +5,21 @@ kernels file says (the text engine's format, engine/kernels.py):
      "vision_attention": {"impl": "free", "path": "candidates/vit_attention.py"}}
 
 `eager` (the default) is the PyTorch function below; `free` a Python file defining a function
-named after the op; `template` and `reference` come from the op registry (engine_templates/ops)
-for an op it holds.
+named after the op; `template` (an op's Triton template at a point, its default where the file
+names none) and `reference` (its float64 oracle) come from the op registry (engine_templates/ops)
+for `layernorm`, `gelu`, `vision_attention` and `vision_linear`, whose call signatures these are.
+templates.json beside this file names every registry op's template at its default point.
 
-    layernorm(x, weight, bias, eps)              every nn.LayerNorm of the model
-    gelu(x)                                      the ViT's MLPs and the FPN's GELUs
-    vision_attention(q, k, v, cos, sin, scaling) the ViT's windowed and global attention: q, k, v
-                                                 (B, H, S, D), the 2-D rotary table cos, sin
-                                                 (1, S, D) applied to q and k; out (B, S, H, D)
+    layernorm(x, weight, bias, eps)              every nn.LayerNorm of the model; x contiguous
+    gelu(x)                                      the ViT's MLPs and the FPN's GELUs; x contiguous
+    vision_attention(q, k, v, cos, sin, scale)   the ViT's windowed and global attention: q, k, v
+                                                 (B, S, H, D), a sequence a window or an image,
+                                                 the 2-D rotary table cos, sin (S, D) float32
+                                                 applied to q and k; out (B, S, H, D)
+    vision_linear(x, weight, bias)               every projection of the ViT: x (tokens, in),
+                                                 weight (out, in), bias (out,); out (tokens, out).
+                                                 q, k and v are one call (their weights stacked,
+                                                 the three projections views into them)
     attention(q, k, v, mask, scaling, is_causal) every other attention (CLIP text encoder, DETR
                                                  encoder and decoder, mask decoder): mask additive
                                                  or boolean, broadcast to (B, H, Sq, Sk); out
@@ -32,7 +39,8 @@ from engine_templates.engine.config import KernelSpec
 from engine_templates.engine.kernels import KernelFileError, _load_free, parse_kernels_file, resolve
 
 log = logging.getLogger("infersmith.sam3")
-SAM3_OPS = ("layernorm", "gelu", "vision_attention", "attention")
+TEMPLATES_FILE = Path(__file__).with_name("templates.json")  # every registry op at its template's default point
+SAM3_OPS = ("layernorm", "gelu", "vision_attention", "vision_linear", "attention")
 ATTENTION_NAME = "infersmith_sam3"  # the attention implementation transformers' modules are set to
 
 
@@ -50,11 +58,13 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def vision_attention(q, k, v, cos, sin, scaling: float) -> torch.Tensor:
+def vision_attention(q, k, v, cos, sin, scale: float) -> torch.Tensor:
+    """As transformers' Sam3ViTRoPEAttention: rotate in float32, back to v's dtype, then SDPA."""
+    cos, sin = cos[:, None], sin[:, None]  # over the heads
     qf, kf = q.float(), k.float()
-    q = (qf * cos + rotate_pairs(qf) * sin).to(v.dtype)
-    k = (kf * cos + rotate_pairs(kf) * sin).to(v.dtype)
-    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2)
+    q = (qf * cos + rotate_pairs(qf) * sin).to(v.dtype).transpose(1, 2)
+    k = (kf * cos + rotate_pairs(kf) * sin).to(v.dtype).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=scale).transpose(1, 2)
 
 
 def attention(q, k, v, mask, scaling: float, is_causal: bool = False) -> torch.Tensor:
@@ -64,7 +74,12 @@ def attention(q, k, v, mask, scaling: float, is_causal: bool = False) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, is_causal=causal).transpose(1, 2)
 
 
-EAGER = {"layernorm": layernorm, "gelu": gelu, "vision_attention": vision_attention, "attention": attention}
+def vision_linear(x, weight, bias) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+EAGER = {"layernorm": layernorm, "gelu": gelu, "vision_attention": vision_attention, "vision_linear": vision_linear,
+         "attention": attention}
 
 
 class Sam3Kernels:
@@ -79,7 +94,8 @@ class Sam3Kernels:
         for name in SAM3_OPS:
             spec = specs.get(name, KernelSpec())
             setattr(self, name, _resolve(name, spec))
-            self.choices[name] = {"impl": spec.impl} | ({"path": spec.path} if spec.impl == "free" else {})
+            self.choices[name] = {"impl": spec.impl} | ({"path": spec.path} if spec.impl == "free" else {}) | (
+                {"template": spec.template, "point": spec.point} if spec.impl == "template" else {})
 
     @classmethod
     def from_file(cls, path: Path | None) -> Sam3Kernels:
@@ -103,7 +119,7 @@ def _resolve(name: str, spec: KernelSpec) -> Callable[..., Any]:
 
 class _SeamLayerNorm(nn.LayerNorm):
     def forward(self, x):
-        return self.kernels.layernorm(x, self.weight, self.bias, self.eps)
+        return self.kernels.layernorm(x.contiguous(), self.weight, self.bias, self.eps)
 
 
 class _SeamGELU(nn.Module):
@@ -112,19 +128,35 @@ class _SeamGELU(nn.Module):
         self.kernels = kernels
 
     def forward(self, x):
-        return self.kernels.gelu(x)
+        return self.kernels.gelu(x.contiguous())  # the FPN's come channels-last: a copy
+
+
+class _SeamLinear(nn.Linear):
+    def forward(self, x):
+        y = self.kernels.vision_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return y.view(*x.shape[:-1], -1)
 
 
 def _vit_attention_forward(self, hidden_states, position_embeddings, **kwargs):
-    """Sam3ViTRoPEAttention.forward with the rotary and the attention one op."""
-    batch, height, width, _ = hidden_states.shape
-    shape = (batch, height * width, self.num_attention_heads, self.head_dim)
-    q = self.q_proj(hidden_states).view(*shape).transpose(1, 2)
-    k = self.k_proj(hidden_states).view(*shape).transpose(1, 2)
-    v = self.v_proj(hidden_states).view(*shape).transpose(1, 2)
-    cos, sin = position_embeddings
+    """Sam3ViTRoPEAttention.forward with q, k and v one projection, and the rotary and the
+    attention one op."""
+    batch, height, width, channels = hidden_states.shape
+    qkv = self.kernels.vision_linear(hidden_states.reshape(-1, channels), self.qkv_weight, self.qkv_bias)
+    q, k, v = qkv.view(batch, height * width, 3, self.num_attention_heads, self.head_dim).unbind(2)
+    cos, sin = (t.reshape(height * width, self.head_dim).float().contiguous() for t in position_embeddings)
     out = self.kernels.vision_attention(q, k, v, cos, sin, self.scaling)
     return self.o_proj(out.reshape(batch, height, width, -1)), None
+
+
+def _stack_qkv(attention: nn.Module) -> None:
+    """One (3C, C) weight and (3C,) bias for q, k and v; the three projections become views of
+    them (no memory added)."""
+    for kind in ("weight", "bias"):
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        stacked = torch.cat([getattr(p, kind).detach() for p in projections])
+        for p, part in zip(projections, stacked.chunk(3)):
+            setattr(p, kind, nn.Parameter(part, requires_grad=False))
+        setattr(attention, f"qkv_{kind}", stacked)
 
 
 def register_attention() -> None:
@@ -143,10 +175,14 @@ def register_attention() -> None:
 
 
 def install(model: nn.Module, kernels: Sam3Kernels) -> None:
-    """Routes the model's layer norms, GELUs and attentions through `kernels`."""
+    """Routes the model's layer norms, GELUs, attentions and ViT projections through `kernels`."""
     from transformers.activations import GELUActivation
     from transformers.models.sam3.modeling_sam3 import Sam3ViTRoPEAttention
 
+    for layer in model.vision_encoder.backbone.layers:
+        for linear in (layer.attention.o_proj, layer.mlp.fc1, layer.mlp.fc2):
+            linear.__class__ = _SeamLinear
+        _stack_qkv(layer.attention)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.LayerNorm:

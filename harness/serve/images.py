@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from contract.images import IMAGE_METRICS, ImageAccuracyRules, ImagePattern, ImageServeJob
+from contract.images import IMAGE_METRICS, ImageAccuracyRules, ImagePattern, ImageServeJob, serving_file
 from contract.serve import AIPerfError, PatternRun, Served, ServerError, compare
 from contract.verdict import PASS, Verdict
 from harness.serve.aiperf import EXPORT, aiperf_command
@@ -302,43 +302,6 @@ def stage(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int], list[
     rng = random.Random(seed if seed is not None else random.SystemRandom().randrange(2**63))
     images, expected, baseline = reference_side(job, out, rng)
     return serve_images(job, candidate_id, argv_for, out, images, expected, baseline)
-
-
-def serving_file(path: Path) -> tuple[tuple[ImagePattern, ...], ImageAccuracyRules, float | None]:
-    """A serving file of the image stage (JSON): `traffic` (a list of ImagePattern fields),
-    `accuracy` (ImageAccuracyRules fields), `margin`; each left out keeps the defaults. A mistake
-    is a ValueError naming it."""
-    from dataclasses import fields
-
-    from contract.images import PATTERNS
-
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read serving file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    if not isinstance(raw, dict) or set(raw) - {"traffic", "accuracy", "margin"}:
-        raise ValueError(f"{path}: expected an object of traffic, accuracy and margin")
-
-    def build(cls, values, where):
-        known = {f.name for f in fields(cls)}
-        if not isinstance(values, dict) or set(values) - known:
-            raise ValueError(f"{path}: {where}: expected an object of {', '.join(sorted(known))}")
-        try:
-            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-        except TypeError as e:
-            raise ValueError(f"{path}: {where}: {e}") from None
-
-    traffic = raw.get("traffic")
-    if traffic is not None and (not isinstance(traffic, list) or not traffic):
-        raise ValueError(f"{path}: traffic: expected a non-empty list of patterns")
-    patterns = tuple(build(ImagePattern, p, f"traffic[{i}]") for i, p in enumerate(traffic)) if traffic else PATTERNS
-    rules = build(ImageAccuracyRules, raw.get("accuracy", {}), "accuracy")
-    margin = raw.get("margin")
-    if margin is not None and not isinstance(margin, (int, float)):
-        raise ValueError(f"{path}: margin: expected a number")
-    return patterns, rules, margin
 
 
 def main(argv: list[str] | None = None) -> int:

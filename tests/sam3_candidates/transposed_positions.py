@@ -12,11 +12,11 @@ def _rotate_pairs(x):
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def vision_attention(q, k, v, cos, sin, scaling):
-    side = math.isqrt(cos.shape[-2])
-    cos = cos.reshape(*cos.shape[:-2], side, side, -1).transpose(-3, -2).reshape(cos.shape)
-    sin = sin.reshape(*sin.shape[:-2], side, side, -1).transpose(-3, -2).reshape(sin.shape)
+def vision_attention(q, k, v, cos, sin, scale):
+    side = math.isqrt(cos.shape[0])
+    cos = cos.reshape(side, side, -1).transpose(0, 1).reshape(cos.shape)[:, None]
+    sin = sin.reshape(side, side, -1).transpose(0, 1).reshape(sin.shape)[:, None]
     qf, kf = q.float(), k.float()
-    q = (qf * cos + _rotate_pairs(qf) * sin).to(v.dtype)
-    k = (kf * cos + _rotate_pairs(kf) * sin).to(v.dtype)
-    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2)
+    q = (qf * cos + _rotate_pairs(qf) * sin).to(v.dtype).transpose(1, 2)
+    k = (kf * cos + _rotate_pairs(kf) * sin).to(v.dtype).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v.transpose(1, 2), scale=scale).transpose(1, 2)

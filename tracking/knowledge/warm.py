@@ -17,6 +17,17 @@ from tracking.schema import RunScope
 
 KERNELS = 3  # the nearest winning kernels a code-writing proposer reads
 
+# A vision op's template whose parameters mean what a text op's template's do (the same names,
+# the same kind of kernel): the text op's published points are offered to its search too, each
+# one whose every parameter is a name of the vision template's space with a value in its range
+# (docs/knowledge.md#vision-ops-from-text-ops).
+CARRY_OVER: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    ("layernorm", "rows"): (("rmsnorm", "rows"), ("fused_add_rmsnorm", "rows")),  # block_n, rows, warps, stages
+    ("vision_attention", "flash"): (("prefill_attention", "flash"),),  # block_m, block_n, warps, stages
+    ("vision_linear", "tiles"): (("linear", "tiles"),),  # block_m, block_n, block_k, group_m, warps, stages
+    ("gelu", "flat"): (("silu_mul", "flat"),),  # block, warps, stages
+}
+
 
 @dataclass
 class WarmStart:
@@ -46,10 +57,13 @@ class WarmStart:
         return {"used": self.used, "skipped": dict(self.skipped), "off": self.off}
 
 
-def for_template(op: str, template: str, scope: RunScope, kb: KnowledgeBase) -> WarmStart:
+def for_template(op: str, template: str, scope: RunScope, kb: KnowledgeBase,
+                 space: dict[str, list] | None = None) -> WarmStart:
     """The points of the template that other targets' published entries won with, each once with
-    the ids of the entries behind it: entries of this GPU class first, then by score. An entry of
-    this very target and GPU class is skipped: its runs are already this search's history."""
+    the ids of the entries behind it: the op's own entries before those carried over, entries of
+    this GPU class first, then by score. An entry of this very target and GPU class is skipped: its
+    runs are already this search's history. With the template's `space`, the points of the text
+    ops CARRY_OVER names for (op, template) that fit in it are offered too."""
     warm = WarmStart(op)
     usable = []
     for e in kb.entries(PUBLISHED, op):
@@ -62,12 +76,31 @@ def for_template(op: str, template: str, scope: RunScope, kb: KnowledgeBase) -> 
             warm.skipped.append((e.id, "this target's own: its runs are the history"))
         else:
             usable.append(e)
-    usable.sort(key=lambda e: (e.gpu_class != scope.gpu_class, -e.score, e.id))
+    for source, source_template in CARRY_OVER.get((op, template), ()) if space is not None else ():
+        for e in kb.entries(PUBLISHED, source):
+            why = _misfit(e, source_template, space, f"{op}/{template}")
+            if why:
+                warm.skipped.append((e.id, why))
+            else:
+                usable.append(e)
+    usable.sort(key=lambda e: (e.op != op, e.gpu_class != scope.gpu_class, -e.score, e.id))
     out: dict[str, tuple[dict[str, Any], list[str]]] = {}
     for e in usable:
         out.setdefault(json.dumps(e.winner["point"], sort_keys=True), (e.winner["point"], []))[1].append(e.id)
     warm.points = list(out.values())
     return warm
+
+
+def _misfit(e: Entry, template: str, space: dict[str, list], into: str) -> str:
+    """Why another op's entry's point cannot start a search of `into`'s space ("" when it can)."""
+    w = e.winner
+    if w["kind"] != "template" or w["template"] != template:
+        return f"{e.op}: not a point of its template {template}"
+    point = w["point"]
+    if set(point) != set(space):
+        return f"{e.op}/{template}'s parameters {', '.join(sorted(point))} are not {into}'s"
+    outside = [f"{k}={v}" for k, v in sorted(point.items()) if v not in space[k]]
+    return f"{', '.join(outside)} outside {into}'s space" if outside else ""
 
 
 def distance(e: Entry, scope: RunScope, dtype: str) -> tuple:
