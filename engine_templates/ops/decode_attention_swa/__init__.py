@@ -29,11 +29,9 @@ def with_window(shapes: list[Shape], window: int) -> list[Shape]:
     return [Shape(s.label, {**s.dims, "window": window}) for s in shapes]
 
 
-class DecodeAttentionSWA(DecodeAttention):
-    name = "decode_attention_swa"
-    signature = "decode_attention_swa(q, k_cache, v_cache, seq_lens, block_table, scale, window)"
-    summary = ("decode_attention over the last `window` positions of each sequence only (a sliding "
-               "window: keys p - window < j <= p of the query at position p) -> new tensor like q")
+class Windowed:
+    """An attention op's shapes, odd shapes and inputs with the model's window added: the shapes
+    carry it as a dim, the inputs as their last argument. Mixed in before the op it windows."""
 
     def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
         window = window_of(self.name, model)
@@ -44,6 +42,13 @@ class DecodeAttentionSWA(DecodeAttention):
 
     def inputs(self, shape, dtype, device, gen, dist):
         return (*super().inputs(shape, dtype, device, gen, dist), shape.dims["window"])
+
+
+class DecodeAttentionSWA(Windowed, DecodeAttention):
+    name = "decode_attention_swa"
+    signature = "decode_attention_swa(q, k_cache, v_cache, seq_lens, block_table, scale, window)"
+    summary = ("decode_attention over the last `window` positions of each sequence only (a sliding "
+               "window: keys p - window < j <= p of the query at position p) -> new tensor like q")
 
     @staticmethod
     def _read(shape: Shape) -> list[tuple[int, int]]:

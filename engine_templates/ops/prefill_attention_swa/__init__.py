@@ -5,26 +5,15 @@ and the flash template are prefill_attention's; `window` is a dim of the shape, 
 """
 from __future__ import annotations
 
-from engine_templates.models import ModelDims
-from engine_templates.ops.decode_attention_swa import ODD_WINDOW, window_of, with_window
+from engine_templates.ops.decode_attention_swa import Windowed
 from engine_templates.ops.prefill_attention import PrefillAttention, lengths_for
 
 
-class PrefillAttentionSWA(PrefillAttention):
+class PrefillAttentionSWA(Windowed, PrefillAttention):
     name = "prefill_attention_swa"
     signature = "prefill_attention_swa(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, window)"
     summary = ("prefill_attention where position p attends p - window < j <= p only (a sliding window) "
                "-> new tensor like q")
-
-    def shapes(self, model: ModelDims, decode_batches, prefill_tokens, contexts):
-        window = window_of(self.name, model)
-        return with_window(super().shapes(model, decode_batches, prefill_tokens, contexts), window)
-
-    def odd_shapes(self, model: ModelDims):
-        return with_window(super().odd_shapes(model), min(window_of(self.name, model), ODD_WINDOW))
-
-    def inputs(self, shape, dtype, device, gen, dist):
-        return (*super().inputs(shape, dtype, device, gen, dist), shape.dims["window"])
 
     def bytes(self, shape, dtype):
         d = shape.dims
