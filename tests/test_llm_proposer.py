@@ -85,10 +85,13 @@ def usd(turn: Turn) -> float:
 def prefect_logs() -> str:
     """Every log line the Prefect server holds: the flows' prints and the tasks' records."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
 
+    APILogHandler().flush()  # the flow's last lines may still wait in this process's batch
     lines, offset = [], 0
-    with get_client(sync_client=True) as client:
-        while page := client.read_logs(limit=200, offset=offset):
+    with get_client(sync_client=True) as client:  # in one order, so that no page skips a line
+        while page := client.read_logs(limit=200, offset=offset, sort=LogSort.TIMESTAMP_ASC):
             lines += [log.message for log in page]
             offset += len(page)
     return "\n".join(lines)
