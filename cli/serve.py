@@ -245,34 +245,50 @@ def image_settings(args) -> dict:
 
 
 def _serve_bench_images(args, target) -> int:
-    """serve-bench for a vision target: the image stage (docs/images.md) on this machine's pool slots."""
+    """serve-bench for a vision target: the image stage (docs/images.md) on a slot of the pool."""
     for option, given, why in TEXT_ONLY:
         if given(args):
             raise UsageError(f"{option} is an option of the text stage; {target.model} is a vision model ({why})")
     serving = image_settings(args)
     pool, slots = pool_with(args.pool, target.gpu_class)
-    remote = sorted({s.host.name for s in slots if not s.host.is_local})
-    if remote:
-        raise UsageError(f"the image stage runs on this machine's slots only; the pool's hosts {', '.join(remote)} "
-                         "are reached over SSH")
-    model_dir = _model_dir(args.model_dir)
-    try:
-        arch = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:
-        raise UsageError(f"cannot read {model_dir / 'config.json'}: {e}") from None
-    if arch != "sam3":
-        raise UsageError(f"{args.model_dir} holds a {arch} checkpoint, not SAM 3's (model_type sam3)")
     if args.kernels and not Path(args.kernels).is_file():
         raise UsageError(f"no kernels file {args.kernels}")
+    model_dir = _image_model_dir(args.model_dir, slots)
     from flows.optimize_engine import serve_bench_images
 
     open_store()
     try:
-        result = serve_bench_images(str(model_dir), target, serving, args.kernels, pool)
+        result = serve_bench_images(model_dir, target, serving, args.kernels, pool)
     except _serve_errors() as e:
         print(f"infersmith: serve-bench could not run: {e}", file=sys.stderr)
         return 1
     return _print_bench(result, args.json)
+
+
+def _image_model_dir(path: str, slots) -> str:
+    """The SAM 3 checkpoint the image stage serves: checked here where a slot is this machine; a
+    pool host (where it is a path, never shipped) is asked before the run whether it has it, aiperf
+    and the servers' modules (`python -m harness.serve check DIR --images`), a lack one line."""
+    from gpu_pool.check import serve_problems
+
+    if any(s.host.is_local for s in slots):
+        model_dir = _model_dir(path)
+        try:
+            arch = json.loads((model_dir / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as e:
+            raise UsageError(f"cannot read {model_dir / 'config.json'}: {e}") from None
+        if arch != "sam3":
+            raise UsageError(f"{path} holds a {arch} checkpoint, not SAM 3's (model_type sam3)")
+    elif not Path(path).is_absolute():
+        raise UsageError(f"--model-dir must be an absolute path on the pool hosts, not {path}")
+    else:
+        model_dir = Path(path)
+    hosts = {s.host.name: s.host for s in slots if not s.host.is_local}
+    lacks = [f"host {name}: {line}" for name, host in hosts.items()
+             for line in serve_problems(host, str(model_dir), images=True)]
+    if lacks:
+        raise UsageError("; ".join(lacks))
+    return str(model_dir)
 
 
 def cmd_optimize_engine(args) -> int:

@@ -129,9 +129,10 @@ def table(reports: list[HostReport]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> list[str]:
+def serve_problems(host: Host, model_dir: str, baseline: str = "reference", images: bool = False) -> list[str]:
     """What the host lacks to serve model_dir (the directory there, aiperf, torch, transformers)
-    and, when the baseline names an engine (vllm, sglang), to run it; asked of the worker's own
+    and, when the baseline names an engine (vllm, sglang), to run it; with `images`, to run the
+    image stage (a SAM 3 checkpoint there, aiperf, its servers' modules). Asked of the worker's own
     check, with the python that would run the servers, so that this and the session agree. This
     machine is asked the same way (its own python, the worker's PYTHONPATH). What the host answers
     is a problem (a workdir it cannot create, a bundle it cannot unpack, a check past its limit);
@@ -139,7 +140,7 @@ def serve_problems(host: Host, model_dir: str, baseline: str = "reference") -> l
     the work to another host."""
     from gpu_pool.ssh import ensure_bundle, workdir_of, worker_env
 
-    engine = ["--baseline", baseline] if baseline in ENGINES else []
+    engine = ["--images"] if images else ["--baseline", baseline] if baseline in ENGINES else []
     if host.is_local:
         return _local_serve_problems(model_dir, engine)
     client = None

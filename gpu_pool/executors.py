@@ -14,6 +14,7 @@ from gpu_pool.health import HostFault, HostUnreachable, gpu_fault_in
 from gpu_pool.local import LocalExecutor, LocalSession, StageRun
 from gpu_pool.pool import Slot
 from gpu_pool.ssh import SSHExecutor, SSHSession, connect, run_command
+from gpu_pool.ssh_images import SSHImages
 from gpu_pool.ssh_serve import SSHServe
 from harness.serve import images, stage
 
@@ -105,9 +106,9 @@ def run_serve(group: list[Slot], job: ServeJob, cand: EngineCandidate, reference
 
 
 def run_images(group: list[Slot], job: ImageServeJob, kernels: Path | None, out: Path) -> stage.Served:
-    """The image stage (harness/serve/images.py) on the group's host: the reference's answers and
-    baseline, then the SAM 3 engine with `kernels` judged against them. This machine's slots only:
-    the image stage is not yet shipped to a pool host over SSH (the CLI refuses such a pool)."""
+    """The image stage (harness/serve/images.py) on the group's host, here or over SSH
+    (gpu_pool/ssh_images.py): the reference's answers and baseline, then the SAM 3 engine with
+    `kernels` judged against them; a HostFault when that host failed."""
     if not group[0].host.is_local:
-        raise ValueError(f"the image stage runs on this machine's slots only, not on host {group[0].host.name}")
+        return SSHImages(group).stage(job, kernels, out)
     return images.stage(job, "sam3-engine", lambda port: images.engine_argv(job, port, kernels), out)

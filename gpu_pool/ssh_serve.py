@@ -55,92 +55,32 @@ def session_limit_s(job: ServeJob) -> float:
             + len(job.patterns) * job.pattern_timeout_s + (processes + 1) * STOP_S)
 
 
-class SSHServe:
-    """The serve stage's sessions on a leased group of a pool host's slots (leases.lease_group):
-    one session runs every replica, each on its GPU of the group as job.devices says."""
+class SSHSessions:
+    """An end-to-end stage's sessions on a leased group of a pool host's slots (leases.lease_group):
+    each one `python -m harness.serve <worker> job.json .` there, under a time limit, its accuracy
+    handshakes answered meanwhile and what it wrote fetched back. SSHServe runs the text stage's;
+    gpu_pool/ssh_images.py's SSHImages, the image stage's."""
+
+    worker = "run"  # the worker's command for this stage's sessions
 
     def __init__(self, group: list[Slot], limit_s: float | None = None):
         self.group, self.limit_s = group, limit_s
         self.slot = group[0]  # the host, and the worker's own environment
         self.label = ",".join(s.label for s in group)
 
-    def reference(self, job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
-        """The reference's answers (the held-out prompts drawn there from rng's seed, which, like
-        the answers, leaves the host with this session) and the baseline's runs when it is the baseline."""
-        result, answers = self._session("reference", job, out, {"seed": rng.getrandbits(64)}, secret="answers.json")
-        _raise_error(result, self.slot.host, self.label, "reference")
-        if answers is None:
-            raise ServerError(f"the reference session on {self.label} ended without its answers")
-        reference = Reference(answers["prompts"], [completion_from_dict(c) for c in answers["completions"]])
-        return reference, None if result["runs"] is None else runs_from_dict(result["runs"], out)
+    def _wire(self, job) -> dict:
+        """The job as the session's job.json carries it."""
+        raise NotImplementedError
 
-    def baseline(self, job: ServeJob, out: Path) -> dict[str, PatternRun]:
-        result, _ = self._session("baseline", job, out, {})
-        _raise_error(result, self.slot.host, self.label, "baseline")
-        return runs_from_dict(result["runs"], out)
-
-    def candidate(self, job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
-                  command: str | None = None) -> Served:
-        judged: dict[str | None, tuple[bool, str, dict]] = {}
-        judge = reference_judge(reference, job.accuracy)
-
-        rounds = [None] + ([p.name for p in job.patterns] if job.accuracy.under_load else [])
-        before = len(reference.prompts) - fresh_prompts(job)
-
-        def decide(pattern: str | None, raw: bytes) -> tuple[bool, dict[int, list[int]]]:
-            """Whether to go on, and with it the next pattern's fresh prompt: the host holds none
-            before the round it is asked in (the candidate's servers could read it there)."""
-            if not judged_ok(pattern, raw):
-                return False, {}
-            following = rounds.index(pattern) + 1
-            if following == len(rounds):
-                return True, {}
-            n = prompt_numbers(job, len(reference.prompts), rounds[following])[-1]  # its fresh one, last
-            return True, {n: reference.prompts[n]}
-
-        def judged_ok(pattern: str | None, raw: bytes) -> bool:
-            """The completions, every replica's before load (pattern None) or the balancer's under a
-            pattern's load, judged here against the answers only this side holds, on the prompts
-            this side knows were asked. Anything on the host may have written the file (the
-            candidate's servers run as the same user): what does not parse, or answers for other
-            than every replica (one list under load), fails."""
-            try:
-                answers = [[completion_from_dict(c) for c in got] for got in json.loads(raw)]
-            except (ValueError, TypeError, KeyError, AttributeError) as e:
-                judged[pattern] = (False, f"the completions from {self.label} do not parse ({type(e).__name__}: "
-                                          f"{str(e)[:200]})", {})
-                return False
-            expected = len(job.devices) if pattern is None else 1
-            if len(answers) != expected:
-                judged[pattern] = (False, f"answers from {len(answers)} replicas, {len(job.devices)} were started"
-                                   if pattern is None else f"{len(answers)} lists of answers, 1 expected", {})
-                return False
-            judged[pattern] = judge(pattern, prompt_numbers(job, len(reference.prompts), pattern), answers)
-            return judged[pattern][0]
-
-        sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}
-        t0 = time.monotonic()
-        shown = reference.prompts[:before] + [None] * (len(reference.prompts) - before)  # the fresh: later
-        result, _ = self._session("candidate", job, out, {"candidate": cand.to_dict(), "command": command,
-                                                          "prompts": shown, "sources": sources},
-                                  (decide, rounds))
-        if "verdict" not in result:
-            _raise_error(result, self.slot.host, self.label, "candidate", verdict_instead=True)
-            verdict = Verdict(op="engine", candidate_id=cand.id, stages=["serve"], log_tail=_tail(out / "worker.log"))
-            verdict.crash("serve_session", f"the serve session on {self.label} {_how(result)}; what it left "
-                                           "is kept (worker.log and the servers' logs)")
-            verdict.wall_s = time.monotonic() - t0
-            return Served(verdict)
-        served = Served(Verdict.from_dict(result["verdict"]), runs_from_dict(result["runs"], out), result["metrics"])
-        served.verdict.candidate_id = cand.id
-        _own_accuracy(served, judged, job)
-        return served
+    def _stage_limit_s(self, job) -> float:
+        """When the controller gives up on one of the stage's sessions, unless limit_s says."""
+        raise NotImplementedError
 
     # -- one session ------------------------------------------------------------------
-    def _limit(self, job: ServeJob) -> float:
-        return self.limit_s if self.limit_s is not None else session_limit_s(job)
+    def _limit(self, job) -> float:
+        return self.limit_s if self.limit_s is not None else self._stage_limit_s(job)
 
-    def _session(self, kind: str, job: ServeJob, out: Path, payload: dict,
+    def _session(self, kind: str, job, out: Path, payload: dict,
                  handshakes: tuple[Decide, list[str | None]] | None = None,
                  secret: str | None = None) -> tuple[dict, dict | None]:
         """(result.json, or {"timed_out": s} or {"died": why}; the secret file's JSON) of one session."""
@@ -152,7 +92,7 @@ class SSHServe:
             marker = uuid.uuid4().hex
             run_dir = f"{workdir}/runs/serve-{kind}-{marker[:12]}"
             run_command(client, host, f"mkdir -p {q(run_dir)}/out {q(run_dir)}/exchange")
-            spec = {"kind": kind, "job": job_to_dict(job), **payload}
+            spec = {"kind": kind, "job": self._wire(job), **payload}
             try:
                 with client.open_sftp() as sftp:
                     sftp.putfo(io.BytesIO(json.dumps(spec).encode()), f"{run_dir}/job.json")
@@ -165,7 +105,8 @@ class SSHServe:
             # (the controller may be gone), then kills what the worker started: the servers and
             # AIPerf run in sessions of their own, so only the marker in their environment finds them.
             inner = (f"env {env} {MARKER_VAR}={marker} timeout -s KILL {limit + REMOTE_GRACE_S:.0f} "
-                     f"{host.python} -m harness.serve run job.json . >out/worker.log 2>&1; rc=$?; {killer}; exit $rc")
+                     f"{host.python} -m harness.serve {self.worker} job.json . >out/worker.log 2>&1; rc=$?; {killer}; "
+                     "exit $rc")
             try:
                 ended = self._wait(client, f"cd {q(run_dir)} && exec setsid -w sh -c {q(inner)}", run_dir,
                                    limit, handshakes)
@@ -178,7 +119,7 @@ class SSHServe:
             client.close()
         if not ended:
             return {"timed_out": limit}, None
-        return result if result is not None else {"died": _tail(out / "worker.log", 600)}, hidden
+        return result if result is not None else {"died": tail_of(out / "worker.log", 600)}, hidden
 
     def _salvage(self, client: paramiko.SSHClient, run_dir: str, out: Path, killer: str) -> None:
         """Stop a session the controller gives up on and keep what it wrote, over the same connection
@@ -229,6 +170,88 @@ class SSHServe:
             raise HostUnreachable(host, "connection dropped while the serve session ran")
         return True
 
+
+class SSHServe(SSHSessions):
+    """The text stage's sessions: one session runs every replica, each on its GPU of the group as
+    job.devices says."""
+
+    def _wire(self, job: ServeJob) -> dict:
+        return job_to_dict(job)
+
+    def _stage_limit_s(self, job: ServeJob) -> float:
+        return session_limit_s(job)
+
+    def reference(self, job: ServeJob, out: Path, rng: random.Random) -> tuple[Reference, dict | None]:
+        """The reference's answers (the held-out prompts drawn there from rng's seed, which, like
+        the answers, leaves the host with this session) and the baseline's runs when it is the baseline."""
+        result, answers = self._session("reference", job, out, {"seed": rng.getrandbits(64)}, secret="answers.json")
+        raise_error(result, self.slot.host, self.label, "reference")
+        if answers is None:
+            raise ServerError(f"the reference session on {self.label} ended without its answers")
+        reference = Reference(answers["prompts"], [completion_from_dict(c) for c in answers["completions"]])
+        return reference, None if result["runs"] is None else runs_from_dict(result["runs"], out)
+
+    def baseline(self, job: ServeJob, out: Path) -> dict[str, PatternRun]:
+        result, _ = self._session("baseline", job, out, {})
+        raise_error(result, self.slot.host, self.label, "baseline")
+        return runs_from_dict(result["runs"], out)
+
+    def candidate(self, job: ServeJob, cand: EngineCandidate, reference: Reference, out: Path,
+                  command: str | None = None) -> Served:
+        judged: dict[str | None, tuple[bool, str, dict]] = {}
+        judge = reference_judge(reference, job.accuracy)
+
+        rounds = [None] + ([p.name for p in job.patterns] if job.accuracy.under_load else [])
+        before = len(reference.prompts) - fresh_prompts(job)
+
+        def decide(pattern: str | None, raw: bytes) -> tuple[bool, dict[int, list[int]]]:
+            """Whether to go on, and with it the next pattern's fresh prompt: the host holds none
+            before the round it is asked in (the candidate's servers could read it there)."""
+            if not judged_ok(pattern, raw):
+                return False, {}
+            following = rounds.index(pattern) + 1
+            if following == len(rounds):
+                return True, {}
+            n = prompt_numbers(job, len(reference.prompts), rounds[following])[-1]  # its fresh one, last
+            return True, {n: reference.prompts[n]}
+
+        def judged_ok(pattern: str | None, raw: bytes) -> bool:
+            """The completions, every replica's before load (pattern None) or the balancer's under a
+            pattern's load, judged here against the answers only this side holds, on the prompts
+            this side knows were asked. Anything on the host may have written the file (the
+            candidate's servers run as the same user): what does not parse, or answers for other
+            than every replica (one list under load), fails."""
+            try:
+                answers = [[completion_from_dict(c) for c in got] for got in json.loads(raw)]
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                judged[pattern] = (False, f"the completions from {self.label} do not parse ({type(e).__name__}: "
+                                          f"{str(e)[:200]})", {})
+                return False
+            expected = len(job.devices) if pattern is None else 1
+            if len(answers) != expected:
+                judged[pattern] = (False, f"answers from {len(answers)} replicas, {len(job.devices)} were started"
+                                   if pattern is None else f"{len(answers)} lists of answers, 1 expected", {})
+                return False
+            judged[pattern] = judge(pattern, prompt_numbers(job, len(reference.prompts), pattern), answers)
+            return judged[pattern][0]
+
+        sources = {op: Path(c["path"]).read_text() for op, c in cand.kernels.items() if c.get("impl") == "free"}
+        t0 = time.monotonic()
+        shown = reference.prompts[:before] + [None] * (len(reference.prompts) - before)  # the fresh: later
+        result, _ = self._session("candidate", job, out, {"candidate": cand.to_dict(), "command": command,
+                                                          "prompts": shown, "sources": sources},
+                                  (decide, rounds))
+        if "verdict" not in result:
+            raise_error(result, self.slot.host, self.label, "candidate", verdict_instead=True)
+            verdict = Verdict(op="engine", candidate_id=cand.id, stages=["serve"], log_tail=tail_of(out / "worker.log"))
+            verdict.crash("serve_session", f"the serve session on {self.label} {how_it_ended(result)}; what it left "
+                                           "is kept (worker.log and the servers' logs)")
+            verdict.wall_s = time.monotonic() - t0
+            return Served(verdict)
+        served = Served(Verdict.from_dict(result["verdict"]), runs_from_dict(result["runs"], out), result["metrics"])
+        served.verdict.candidate_id = cand.id
+        own_accuracy(served, judged, tuple(p.name for p in job.patterns) if job.accuracy.under_load else ())
+        return served
 
 def _answer(sftp: paramiko.SFTPClient, run_dir: str, pattern: str | None, decide: Decide) -> bool:
     """Judges the candidate's completions of one handshake once they are there; whether it did."""
@@ -281,14 +304,14 @@ def _collect(client: paramiko.SSHClient, host: Host, run_dir: str, out: Path,
         raise HostUnreachable(host, f"connection lost fetching the serve session's results: {e}") from None
 
 
-def _how(result: dict) -> str:
+def how_it_ended(result: dict) -> str:
     if "timed_out" in result:
         return f"ran past its {result['timed_out']:g} s limit and was killed"
     lines = result.get("died", "").strip().splitlines()
     return f"died without a result; last log line: {lines[-1] if lines else '(none)'}"
 
 
-def _raise_error(result: dict, host: Host, label: str, kind: str, verdict_instead: bool = False) -> None:
+def raise_error(result: dict, host: Host, label: str, kind: str, verdict_instead: bool = False) -> None:
     """The session's failure as the error the same failure raises on this machine. A candidate
     session that hung or died is the candidate's crash (verdict_instead); a missing model or aiperf
     is the run's error whoever runs."""
@@ -298,13 +321,15 @@ def _raise_error(result: dict, host: Host, label: str, kind: str, verdict_instea
         raise {"AIPerfError": AIPerfError}.get(result["error"]["type"], ServerError)(
             f"on {label}: {result['error']['message']}")
     if ("timed_out" in result or "died" in result) and not verdict_instead:
-        raise ServerError(f"the {kind} session on {label} {_how(result)}")
+        raise ServerError(f"the {kind} session on {label} {how_it_ended(result)}")
 
 
-def _own_accuracy(served: Served, judged: dict[str | None, tuple[bool, str, dict]], job: ServeJob) -> None:
-    """The accuracy gates (before load, and under each pattern's) as the controller judged them:
-    the host only learnt whether to go on, and anything on the host could have written that answer,
-    so the host's gates are not taken on trust. A pattern loaded without its gate fails."""
+def own_accuracy(served: Served, judged: dict[str | None, tuple[bool, str, dict]],
+                  under_load_patterns: tuple[str, ...]) -> None:
+    """The accuracy gates (before load, and under the load of each of under_load_patterns) as the
+    controller judged them: the host only learnt whether to go on, and anything on the host could
+    have written that answer, so the host's gates are not taken on trust. A pattern loaded without
+    its gate fails."""
     verdict, metrics = served.verdict, served.metrics
     gates = [g for g in verdict.gates if g.name == "accuracy"]
     if not gates:
@@ -312,14 +337,14 @@ def _own_accuracy(served: Served, judged: dict[str | None, tuple[bool, str, dict
             verdict.crash("protocol", "the session passed without the candidate's completions being judged")
         return
     rounds = [(None, gates[0])]
-    for p in job.patterns if job.accuracy.under_load else ():
-        gate = next((g for g in gates[1:] if g.detail.startswith(under_load.prefix(p.name))), None)
-        if gate is None and p.name in served.runs:
+    for name in under_load_patterns:
+        gate = next((g for g in gates[1:] if g.detail.startswith(under_load.prefix(name))), None)
+        if gate is None and name in served.runs:
             gate = Gate("accuracy", True, "")  # judged below as what the controller never saw
             verdict.gates.append(gate)
             gates.append(gate)
         if gate is not None:
-            rounds.append((p.name, gate))
+            rounds.append((name, gate))
     for pattern, gate in rounds:
         got = judged.get(pattern)
         if got is None:
@@ -339,7 +364,7 @@ def _own_accuracy(served: Served, judged: dict[str | None, tuple[bool, str, dict
         verdict.status = FAIL
 
 
-def _tail(path: Path, n: int = 4000) -> str:
+def tail_of(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
     except OSError:

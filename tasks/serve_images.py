@@ -48,15 +48,19 @@ def serve_key(target: Target, serving: dict) -> str:
 
 def image_job(target: Target, serving: dict, model_dir: Path, slot: Slot) -> ImageServeJob:
     """The stage's job on a leased slot: its GPU (the one visible to both servers), or the CPU of a
-    CPU-only host, with a template kernel in Triton's interpreter."""
+    CPU-only host, with a template kernel in Triton's interpreter. On a pool host the model
+    directory is a path there (never shipped), the host's python runs the servers, and they inherit
+    the worker's PYTHONPATH (its bundle) and CUDA_VISIBLE_DEVICES (gpu_pool/ssh.py, worker_env)."""
     patterns, rules, margin = image_serving(serving)
-    env = {"PYTHONPATH": str(WORKER_ROOT), "CUDA_VISIBLE_DEVICES": "" if slot.gpu is None else str(slot.gpu)}
+    local = slot.host.is_local
+    env = ({"PYTHONPATH": str(WORKER_ROOT), "CUDA_VISIBLE_DEVICES": "" if slot.gpu is None else str(slot.gpu)}
+           if local else {})
     if slot.gpu is None:
         env["TRITON_INTERPRET"] = "1"
-    return ImageServeJob(model_dir=Path(model_dir).resolve(), dtype=target.dtype,
+    return ImageServeJob(model_dir=Path(model_dir).resolve() if local else Path(model_dir), dtype=target.dtype,
                          device="cpu" if slot.gpu is None else "cuda", env=env, patterns=patterns, accuracy=rules,
                          margin=margin, start_timeout_s=600.0, pattern_timeout_s=target.budget.stage_timeout_s,
-                         python=sys.executable)
+                         python=sys.executable if local else slot.host.python)
 
 
 def side_by_side(metrics: dict[str, float], serving: dict) -> list[dict]:

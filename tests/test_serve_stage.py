@@ -316,18 +316,13 @@ def test_overlap_counts_aiperfs_measured_requests_only(tmp_path):
      "under load on pattern chat-short: prompt 5 (held out), token 0: greedy token 9; 0 of 0 overlapped"),
 ])
 def test_the_controller_judges_the_prompts_under_load_not_the_host(tmp_path, host_gates, judged, says):
-    from gpu_pool.pool import Host, Pool
-    from gpu_pool.ssh_serve import _own_accuracy
-    from targets import Target
-    from tasks.serve import job_for
+    from gpu_pool.ssh_serve import own_accuracy
 
-    slots = Pool(hosts=[Host(name="h", address="10.0.0.5", gpus=[0], gpu_class="h200")]).slots()
-    job = job_for(Target.model_validate({"model": "tiny", "serving": SERVING}), Path("/data/tiny"), slots)
     verdict = Verdict(op="engine", candidate_id="x")
     for detail in ["judged on the controller", *host_gates]:
         verdict.gate("accuracy", True, detail)
     served = Served(verdict, {"chat-short": PatternRun("chat-short", {}, 0, tmp_path)})
-    _own_accuracy(served, {None: (True, "6 prompts (2 held out)", {})} | judged, job)
+    own_accuracy(served, {None: (True, "6 prompts (2 held out)", {})} | judged, ("chat-short",))
     assert verdict.status == "fail" and verdict.failing_gate.detail.startswith(says)
     assert verdict.gates[0].passed and verdict.gates[0].detail == "6 prompts (2 held out)"
 

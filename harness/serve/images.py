@@ -238,30 +238,39 @@ def _load(job: ImageServeJob, server: ServerProcess, out: Path) -> dict[str, Pat
 def reference_side(job: ImageServeJob, out: Path, rng: random.Random) -> tuple[list[tuple[str, list[str]]],
                                                                                    list[dict], dict[str, PatternRun]]:
     """The held-out images, the reference's answers on them, and its metrics under every pattern
-    (the baseline). A reference that fails under load is an error of the run."""
+    (the baseline); its log and AIPerf's exports under `out`. A reference that fails under load is
+    an error of the run."""
     images = image_set(job.accuracy, rng)
     port = free_ports(1)[0]
-    with ServerProcess("reference server", reference_argv(job, port), out / "reference" / "server.log", job.env,
-                       port) as ref:
+    with ServerProcess("reference server", reference_argv(job, port), out / "server.log", job.env, port) as ref:
         ref.start(job.start_timeout_s)
         expected = answers(ref.url, images)
-        baseline = _load(job, ref, out / "reference")
+        baseline = _load(job, ref, out)
     for name, r in baseline.items():
         if r.errors:
             raise ServerError(f"the reference failed on pattern {name} ({r.errors} failed requests)")
     return images, expected, baseline
 
 
+def only_queries(expected: list[dict]) -> list[dict]:
+    """The reference's answers stripped to what the candidate is asked for: per image and prompt,
+    the queries whose mask logits are judged (no score, box or mask of the reference's)."""
+    return [{"results": [{"raw": {"queries": r["raw"]["queries"]}} for r in a["results"]]} for a in expected]
+
+
 def serve_images(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int], list[str]], out: Path,
-                 images: list[tuple[str, list[str]]], expected: list[dict],
-                 baseline: dict[str, PatternRun] | None) -> Served:
+                 images: list[tuple[str, list[str]]], expected: list[dict], baseline: dict[str, PatternRun] | None,
+                 judge_with: Callable[[list[dict]], tuple[bool, str, dict]] | None = None) -> Served:
     """The candidate server (argv_for(port)): accuracy on the held-out images, then every pattern;
-    with `baseline`, the all-metrics gate."""
+    with `baseline`, the all-metrics gate. Its log and AIPerf's exports under `out`. The answers
+    are judged against `expected` (the reference's), or by `judge_with` (a pool host hands them to
+    the controller, and `expected` is only_queries' of them)."""
+    judge_with = judge_with or (lambda got: judge(got, expected, job.accuracy))
     verdict = Verdict(op="engine", candidate_id=candidate_id, stages=["serve"], device={"kind": job.device})
     result = Served(verdict)
     t0 = time.monotonic()
     port = free_ports(1)[0]
-    with ServerProcess("candidate server", argv_for(port), out / "candidate" / "server.log", job.env, port) as server:
+    with ServerProcess("candidate server", argv_for(port), out / "server.log", job.env, port) as server:
         try:
             server.start(job.start_timeout_s)
         except ServerError as e:
@@ -272,12 +281,12 @@ def serve_images(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int]
             except (OSError, ValueError, KeyError) as e:
                 verdict.gate("accuracy", False, f"no usable answer with raw outputs: {type(e).__name__}: {e}")
             else:
-                passed, detail, metrics = judge(got, expected, job.accuracy)
+                passed, detail, metrics = judge_with(got)
                 result.metrics |= metrics
                 verdict.gate("accuracy", passed, detail)
         for p in job.patterns if verdict.status == PASS else ():
             try:
-                result.runs[p.name] = r = run(p, server.url, job.model_dir, out / "candidate" / "aiperf" / p.name,
+                result.runs[p.name] = r = run(p, server.url, job.model_dir, out / "aiperf" / p.name,
                                               job.pattern_timeout_s)
             except AIPerfError as e:
                 verdict.crash("load", str(e))
@@ -298,10 +307,11 @@ def serve_images(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int]
 
 def stage(job: ImageServeJob, candidate_id: str, argv_for: Callable[[int], list[str]], out: Path,
           seed: int | None = None) -> Served:
-    """The whole image stage: the reference's answers and baseline, then the candidate."""
+    """The whole image stage on this host: the reference's answers and baseline (under
+    out/reference), then the candidate (under out/candidate)."""
     rng = random.Random(seed if seed is not None else random.SystemRandom().randrange(2**63))
-    images, expected, baseline = reference_side(job, out, rng)
-    return serve_images(job, candidate_id, argv_for, out, images, expected, baseline)
+    images, expected, baseline = reference_side(job, out / "reference", rng)
+    return serve_images(job, candidate_id, argv_for, out / "candidate", images, expected, baseline)
 
 
 def main(argv: list[str] | None = None) -> int:

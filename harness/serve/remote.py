@@ -7,6 +7,8 @@ fetches `out/` and `result.json` back.
                                                   what this host lacks to serve MODEL_DIR (and to run
                                                   that baseline engine), one line each
     python -m harness.serve run JOB.json RUN_DIR  one session: reference, baseline or candidate
+    python -m harness.serve check MODEL_DIR --images, run-images JOB.json RUN_DIR
+                                                  the same for the image stage (remote_images.py)
     python -m harness.serve kill MARKER           every process of a session, whatever its group
 
 RUN_DIR: `out/` (the artifacts, fetched and logged: server.log, or server-<i>.log and balancer.log
@@ -126,19 +128,32 @@ class ControllerJudged(Reference):
 
     def judge(self, pattern: str | None, numbers: list[int],
               answers: list[list[Completion]]) -> tuple[bool, str, dict]:
-        completions, decided = exchange_names(pattern)
-        write_atomic(self.exchange / completions, [[completion_to_dict(c) for c in got] for got in answers])
-        decision, deadline = self.exchange / decided, time.monotonic() + DECISION_WAIT_S
-        while not decision.is_file():
-            if time.monotonic() > deadline:
-                return False, f"the controller sent no accuracy decision within {DECISION_WAIT_S:g} s", {}
-            time.sleep(0.1)
-        decided = json.loads(decision.read_text())
-        decision.unlink()  # gone within a poll of being written: a fresh prompt in it lies here no longer
+        decided = handshake(self.exchange, pattern, [[completion_to_dict(c) for c in got] for got in answers])
+        if decided is None:
+            return False, NO_DECISION, {}
         for n, ids in decided.get("prompts", {}).items():  # the next pattern's fresh prompt
             self.prompts[int(n)] = ids
         # the gate's detail and metrics are the controller's: it replaces this one with its own
         return bool(decided["load"]), "judged on the controller", {}
+
+
+NO_DECISION = f"the controller sent no accuracy decision within {DECISION_WAIT_S:g} s"
+
+
+def handshake(exchange: Path, pattern: str | None, completions) -> dict | None:
+    """One accuracy handshake: `completions` (JSON) written for the controller, then its decision
+    (`load`: whether to go on; `prompts`: any it now sends), read and removed; None when none came
+    within DECISION_WAIT_S."""
+    name, decided = exchange_names(pattern)
+    write_atomic(exchange / name, completions)
+    decision, deadline = exchange / decided, time.monotonic() + DECISION_WAIT_S
+    while not decision.is_file():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    body = json.loads(decision.read_text())
+    decision.unlink()  # gone within a poll of being written: a fresh prompt in it lies here no longer
+    return body
 
 
 def reference_session(spec: dict, job: ServeJob, run_dir: Path, out: Path) -> dict:
