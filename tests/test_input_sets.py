@@ -131,3 +131,23 @@ def test_counter_draws_of_neighbouring_seeds_are_unrelated(monkeypatch):
     assert torch.allclose(heavy.abs(), z.double().exp().float(), rtol=1e-6)  # the magnitudes: stream 0
     assert not torch.equal((heavy > 0).sort().values, (z > 0).sort().values)  # the signs: another stream
     assert abs(torch.corrcoef(torch.stack([heavy.sign(), z]))[0, 1]) < 0.02
+
+
+def test_the_bench_stage_draws_a_shapes_sets_together(monkeypatch):
+    """`prepare_shape` draws every planned set of a shape in one `input_sets` (by the counter draw,
+    forced on the host: one draw per argument for all of them), set j from seed j of the plan."""
+    from contract.job import Candidate, Job, Rules, Shape
+    from harness.stages import prepare_shape
+
+    monkeypatch.setattr(base, "COUNTER_DEVICES", {"cuda", "cpu"})
+    calls = []
+    draw = base.counter_draw
+    monkeypatch.setattr(base, "counter_draw", lambda seeds, *a: calls.append(len(seeds)) or draw(seeds, *a))
+    shape = Shape("s", {"tokens": 3, "hidden": 16})
+    job = Job("bench", Candidate(op="rmsnorm", kind="free", source=""), "tiny", [shape], [], Rules())
+    item = {"shape": "s", "sets": [31, 32, 33, 34, 35], "graph": False}
+    ready = prepare_shape(job, OPS["rmsnorm"], "cpu", item, lambda *a, **k: None, lambda: True)
+    _, arg_sets, _, _ = ready
+    assert calls == [5, 5]  # x and weight, for all five sets at once
+    for seed, args in zip(item["sets"], arg_sets):
+        assert torch.equal(args[0], OPS["rmsnorm"].inputs(shape, torch.bfloat16, "cpu", generator("cpu", seed), "normal")[0])
