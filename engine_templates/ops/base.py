@@ -56,7 +56,7 @@ def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, s
     at, numel = gens[0].device, math.prod(shape)
     if out is None:
         out = torch.empty((len(gens), *shape), dtype=dtype, device=device)
-    if at.type in COUNTER_DEVICES:
+    if at.type in COUNTER_DEVICES and numel < COUNTER_MAX:
         seeds = [g.initial_seed() for g in gens]
         for g, s in zip(gens, seeds):
             g.manual_seed(next_seed(s))
@@ -66,7 +66,7 @@ def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, s
         for r in range(0, len(gens), rows):
             for c in range(0, numel, cols):
                 raw = counter_draw(seeds[r:r + rows], c, min(numel, c + cols), dist, at)
-                flat[r:r + rows, c:c + cols] = (raw * scale).to(device=device, dtype=dtype)
+                flat[r:r + rows, c:c + cols].copy_(raw if scale == 1 else raw * scale)
         return out
     for j, g in enumerate(gens):
         out[j] = _torch_draw(shape, g, dist) * scale
@@ -88,8 +88,12 @@ def _torch_draw(shape, gen: torch.Generator, dist: str) -> torch.Tensor:
 
 
 # Where `random_tensor` draws by `counter_draw` rather than from the generator's stream: there one
-# launch per input set would cost more host time than the draw itself. The tests add "cpu".
+# launch per input set would cost more host time than the draw itself. The tests add "cpu". Only
+# tensors of fewer than COUNTER_MAX elements: the counter draw does ~30 passes over its elements,
+# and a larger tensor's sets are few (at most 2 x L2 / 512 KiB of them: timing.rotation_count),
+# so its own stream's draw, one launch a set, costs less.
 COUNTER_DEVICES = {"cuda"}
+COUNTER_MAX = 1 << 18
 # Elements a `counter_draw` call covers at most: its int64 and float64 temporaries stay under
 # ~256 MiB however many sets are drawn at once.
 DRAW_CHUNK = 1 << 23
@@ -115,17 +119,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _uniform(seeds: list[int], first: int, end: int, stream: int, device) -> torch.Tensor:
-    """float64 in (0, 1), 32 random bits each: for each seed, elements first … end - 1 of its
-    stream `stream`. Each (seed, stream) gets a 64-bit key mixed on the host, so that seeds close
-    together (0, 1, 2 …) or streams of one seed are unrelated, not shifted copies of each other."""
+def _symmetric(seeds: list[int], first: int, end: int, stream: int, device) -> torch.Tensor:
+    """float64 2u - 1 for u uniform in (0, 1) of 32 random bits, exactly: for each seed, elements
+    first … end - 1 of its stream `stream`. Each (seed, stream) gets a 64-bit key mixed on the
+    host, so that seeds close together (0, 1, 2 …) or streams of one seed are unrelated, not
+    shifted copies of each other."""
+    if end > 1 << 32:
+        raise ValueError(f"a counter draw covers 2**32 elements at most, not {end}")
     keys = [next_seed(next_seed(s ^ (stream << 62))) for s in seeds]
-    keys = torch.tensor(keys, dtype=torch.int64, device=device)[:, None]  # 63 bits
-    idx = torch.arange(first, end, dtype=torch.int64, device=device)[None, :]
-    x = _mix((idx & _M32) ^ (keys & _M32))
-    x ^= (keys >> 32) ^ (idx >> 32)
-    x = _mix(x)
-    return (x.double() + 0.5) * 2.0 ** -32
+    keys = torch.tensor([(k & _M32, k >> 32) for k in keys], dtype=torch.int64, device=device)
+    x = _mix(torch.arange(first, end, dtype=torch.int64, device=device)[None, :] ^ keys[:, :1])
+    x ^= keys[:, 1:]
+    return _mix(x).double().mul_(2.0 ** -31).add_(2.0 ** -32 - 1)  # (x + 0.5) / 2**32, then 2u - 1
 
 
 def counter_draw(seeds: list[int], first: int, end: int, dist: str, device) -> torch.Tensor:
@@ -134,12 +139,12 @@ def counter_draw(seeds: list[int], first: int, end: int, dist: str, device) -> t
     any chunks, on any device: integer hashing, then the inverse normal CDF (`erfinv`), computed
     element by element."""
     def normal(stream: int) -> torch.Tensor:
-        return torch.erfinv(_uniform(seeds, first, end, stream, device).mul_(2).sub_(1)).mul_(math.sqrt(2))
+        return torch.erfinv(_symmetric(seeds, first, end, stream, device)).mul_(math.sqrt(2))
 
     if dist == "normal":
         t = normal(0)
-    elif dist == "uniform":
-        t = _uniform(seeds, first, end, 0, device).mul_(4).sub_(2)
+    elif dist == "uniform":  # 4u - 2
+        t = _symmetric(seeds, first, end, 0, device).mul_(2)
     elif dist == "heavy":  # log-normal magnitudes with random signs: outliers in every row
         t = normal(0).exp_().mul_(torch.sign(normal(1)))
     else:  # offset
