@@ -37,119 +37,52 @@ def random_tensor(shape, dtype, device, gen: torch.Generator, dist: str, scale: 
     """Fresh random data in one of DISTRIBUTIONS, drawn in float32 where `gen` lives, then moved.
 
     The harness hands ops a generator on the device under test: drawing gigabytes of cache
-    on the host would cost more than everything else in a check. On a GPU the values are a
-    function of the generator's seed and each element's index (`counter_draw`), so that
-    `random_stack` draws many generators' tensors in a few launches, each the same values as
-    here; the generator is then seeded anew for what is drawn after (`next_seed`).
+    on the host would cost more than everything else in a check.
     """
-    out = torch.empty(shape, dtype=dtype, device=device)
-    random_stack(shape, dtype, device, [gen], dist, scale, out=out[None])
-    return out
+    return (_finish(_raw(shape, gen, dist), dist) * scale).to(device=device, dtype=dtype)
 
 
-def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, scale: float = 1.0,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """One tensor of shape (len(gens), *shape) (`out`, if given): row j is what `random_tensor`
-    draws from `gens[j]`, each generator left as `random_tensor` leaves it."""
+# Elements of float32 a `random_stack` holds at once before casting: 64 MiB, however many sets.
+DRAW_CHUNK = 1 << 24
+
+
+def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, scale: float = 1.0) -> torch.Tensor:
+    """One tensor of shape (len(gens), *shape), row j what `random_tensor` draws from `gens[j]`
+    (each generator's stream used as `random_tensor` uses it, so the same values to the bit):
+    one launch per set for the draw itself (a generator holds one stream), and everything after
+    it (the distribution's affine map, the scale, the cast) once for every set of a chunk."""
+    if len(gens) == 1:  # one set (`inputs`, the judge's draws): no stack to build
+        return random_tensor(shape, dtype, device, gens[0], dist, scale)[None]
     if dist not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {dist!r}")
-    at, numel = gens[0].device, math.prod(shape)
-    if out is None:
-        out = torch.empty((len(gens), *shape), dtype=dtype, device=device)
-    if at.type in COUNTER_DEVICES and numel < COUNTER_MAX:
-        seeds = [g.initial_seed() for g in gens]
-        for g, s in zip(gens, seeds):
-            g.manual_seed(next_seed(s))
-        flat = out.view(len(gens), numel)
-        rows = max(1, DRAW_CHUNK // max(1, numel))
-        cols = min(max(1, numel), DRAW_CHUNK)
-        for r in range(0, len(gens), rows):
-            for c in range(0, numel, cols):
-                raw = counter_draw(seeds[r:r + rows], c, min(numel, c + cols), dist, at)
-                flat[r:r + rows, c:c + cols].copy_(raw if scale == 1 else raw * scale)
-        return out
-    for j, g in enumerate(gens):
-        out[j] = _torch_draw(shape, g, dist) * scale
+    out = torch.empty((len(gens), *shape), dtype=dtype, device=device)
+    rows = max(1, DRAW_CHUNK // max(1, math.prod(shape)))
+    for r in range(0, len(gens), rows):
+        out[r:r + rows] = _finish(torch.stack([_raw(shape, g, dist) for g in gens[r:r + rows]]), dist) * scale
     return out
 
 
-def _torch_draw(shape, gen: torch.Generator, dist: str) -> torch.Tensor:
-    """One draw in float32 from the generator's own stream (on the host: sequential, fast)."""
+def _raw(shape, gen: torch.Generator, dist: str) -> torch.Tensor:
+    """The draw from the generator's stream, in float32: what `_finish` maps element by element."""
     at = gen.device
-    if dist == "normal":
-        return torch.randn(shape, generator=gen, device=at)
     if dist == "uniform":
-        return torch.rand(shape, generator=gen, device=at) * 4 - 2
+        return torch.rand(shape, generator=gen, device=at)
     if dist == "heavy":  # log-normal magnitudes with random signs: outliers in every row
-        t = torch.randn(shape, generator=gen, device=at).exp()
+        t = torch.randn(shape, generator=gen, device=at).exp()  # per set: exp's last bit may depend on the layout
         t *= torch.sign(torch.randn(shape, generator=gen, device=at))
         return t
-    return torch.randn(shape, generator=gen, device=at) * 0.5 + 3.0  # offset
+    if dist in ("normal", "offset"):
+        return torch.randn(shape, generator=gen, device=at)
+    raise ValueError(f"unknown distribution {dist!r}")
 
 
-# Where `random_tensor` draws by `counter_draw` rather than from the generator's stream: there one
-# launch per input set would cost more host time than the draw itself. The tests add "cpu". Only
-# tensors of fewer than COUNTER_MAX elements: the counter draw does ~30 passes over its elements,
-# and a larger tensor's sets are few (at most 2 x L2 / 512 KiB of them: timing.rotation_count),
-# so its own stream's draw, one launch a set, costs less.
-COUNTER_DEVICES = {"cuda"}
-COUNTER_MAX = 1 << 18
-# Elements a `counter_draw` call covers at most: its int64 and float64 temporaries stay under
-# ~256 MiB however many sets are drawn at once.
-DRAW_CHUNK = 1 << 23
-_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
-
-
-def next_seed(seed: int) -> int:
-    """The seed a generator gets after a counter draw from `seed` (splitmix64, 63 bits)."""
-    z = (seed + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return (z ^ (z >> 31)) >> 1
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche (xor-shift-multiply) on int64 values under 2**32, in place. The
-    multipliers are under 2**31, so no product leaves the int64 range."""
-    x ^= x >> 16
-    x.mul_(0x7FEB352D).bitwise_and_(_M32)
-    x ^= x >> 15
-    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
-    x ^= x >> 16
-    return x
-
-
-def _symmetric(seeds: list[int], first: int, end: int, stream: int, device) -> torch.Tensor:
-    """float64 2u - 1 for u uniform in (0, 1) of 32 random bits, exactly: for each seed, elements
-    first … end - 1 of its stream `stream`. Each (seed, stream) gets a 64-bit key mixed on the
-    host, so that seeds close together (0, 1, 2 …) or streams of one seed are unrelated, not
-    shifted copies of each other."""
-    if end > 1 << 32:
-        raise ValueError(f"a counter draw covers 2**32 elements at most, not {end}")
-    keys = [next_seed(next_seed(s ^ (stream << 62))) for s in seeds]
-    keys = torch.tensor([(k & _M32, k >> 32) for k in keys], dtype=torch.int64, device=device)
-    x = _mix(torch.arange(first, end, dtype=torch.int64, device=device)[None, :] ^ keys[:, :1])
-    x ^= keys[:, 1:]
-    return _mix(x).double().mul_(2.0 ** -31).add_(2.0 ** -32 - 1)  # (x + 0.5) / 2**32, then 2u - 1
-
-
-def counter_draw(seeds: list[int], first: int, end: int, dist: str, device) -> torch.Tensor:
-    """float32 (len(seeds), end - first): elements first … end - 1 of each seed's draw in `dist`,
-    each a function of its seed and its index only, so drawn alike one set or many at a time, in
-    any chunks, on any device: integer hashing, then the inverse normal CDF (`erfinv`), computed
-    element by element."""
-    def normal(stream: int) -> torch.Tensor:
-        return torch.erfinv(_symmetric(seeds, first, end, stream, device)).mul_(math.sqrt(2))
-
-    if dist == "normal":
-        t = normal(0)
-    elif dist == "uniform":  # 4u - 2
-        t = _symmetric(seeds, first, end, 0, device).mul_(2)
-    elif dist == "heavy":  # log-normal magnitudes with random signs: outliers in every row
-        t = normal(0).exp_().mul_(torch.sign(normal(1)))
-    else:  # offset
-        t = normal(0).mul_(0.5).add_(3.0)
-    return t.float()
+def _finish(t: torch.Tensor, dist: str) -> torch.Tensor:
+    """The distribution's affine map of a `_raw` draw (exact in any layout: one rounding per op)."""
+    if dist == "uniform":
+        return t * 4 - 2
+    if dist == "offset":
+        return t * 0.5 + 3.0
+    return t
 
 
 def generator(device: str, seed: int) -> torch.Generator:
@@ -267,7 +200,7 @@ class Op(ABC):
         """One input set per seed, set j the same values as `inputs` draws from
         `generator(device, seeds[j])` (the judge draws a set again from its seed alone), each
         tensor in its own storage. This default draws them one by one; `Drawn` ops draw each
-        argument of every set at once."""
+        argument of every set together (`random_stack`)."""
         return [self.inputs(shape, dtype, device, generator(device, s), dist) for s in seeds]
 
     def is_persistent(self, i: int) -> bool:
@@ -276,9 +209,10 @@ class Op(ABC):
 
 
 class Drawn:
-    """For an op whose arguments are drawn by `random_stack`: `draw` builds the input sets of
-    several generators at once, and `inputs` (one set) and `input_sets` (many, in a few launches
-    per argument whatever their number) both go through it. Put before `Op` in the bases."""
+    """For an op whose tensors are drawn by `random_stack`: `draw` builds the input sets of
+    several generators at once, and `inputs` (one set) and `input_sets` (many: one launch per
+    set and argument for the draw, the rest once for all) both go through it, so that the two
+    cannot differ. Put before `Op` in the bases."""
 
     def draw(self, shape: Shape, dtype: torch.dtype, device: str, gens: list[torch.Generator],
              dist: str) -> list[tuple]:
