@@ -80,6 +80,9 @@ def test_a_stack_does_not_depend_on_its_chunks(monkeypatch):
     monkeypatch.setattr(base, "DRAW_CHUNK", 700)  # two sets a chunk
     cut = base.random_stack((3, 100), torch.bfloat16, "cpu", [generator("cpu", s) for s in range(7)], "offset", 0.5)
     assert torch.equal(whole, cut)
+    monkeypatch.setattr(base, "DRAW_CHUNK", 100)  # a set larger than a chunk: one at a time
+    assert torch.equal(whole, base.random_stack((3, 100), torch.bfloat16, "cpu", [generator("cpu", s) for s in range(7)],
+                                                "offset", 0.5))
     assert torch.equal(cut[6], base.random_tensor((3, 100), torch.bfloat16, "cpu", generator("cpu", 6), "offset", 0.5))
 
 

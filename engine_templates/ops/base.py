@@ -58,7 +58,10 @@ def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, s
     out = torch.empty((len(gens), *shape), dtype=dtype, device=device)
     rows = max(1, DRAW_CHUNK // max(1, math.prod(shape)))
     for r in range(0, len(gens), rows):
-        out[r:r + rows] = _finish(torch.stack([_raw(shape, g, dist) for g in gens[r:r + rows]]), dist) * scale
+        raws = [_raw(shape, g, dist) for g in gens[r:r + rows]]
+        raw = raws[0][None] if len(raws) == 1 else torch.stack(raws)  # a set past DRAW_CHUNK: not copied
+        del raws
+        out[r:r + rows] = _finish(raw, dist) * scale
     return out
 
 
