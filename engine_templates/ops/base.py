@@ -61,7 +61,8 @@ def random_stack(shape, dtype, device, gens: list[torch.Generator], dist: str, s
         raws = [_raw(shape, g, dist) for g in gens[r:r + rows]]
         raw = raws[0][None] if len(raws) == 1 else torch.stack(raws)  # a set past DRAW_CHUNK: not copied
         del raws
-        out[r:r + rows] = _finish(raw, dist) * scale
+        raw = _finish(raw, dist)
+        out[r:r + rows] = raw if scale == 1 else raw * scale  # x * 1 is x, exactly
     return out
 
 
