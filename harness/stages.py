@@ -101,10 +101,14 @@ Ready = tuple  # (shape, input sets, timing.Method, the method asked for: "graph
 
 def prepare_shape(job: Job, op, dev: str, item: dict, send: Send, settle: Callable[[], bool]) -> Ready | None:
     """One planned shape's input sets and timing method, once the supervisor has said go (None:
-    its answer did not come as sent, and the failed gate was sent)."""
+    its answer did not come as sent, and the failed gate was sent). The sets are drawn together
+    (`Op.input_sets`: one launch per set and argument for the random draw, the scaling, casting
+    and the rest once for all), each the values its seed gives alone, which is how the
+    supervisor draws a set again to judge it. All of them before the timings: a graph captures
+    one call per set, and events rotate through them all from the warm-up on."""
     shape = shapes_by_label(job)[item["shape"]]
     dtype = activation_dtype(job.rules.dtype)
-    arg_sets = [op.inputs(shape, dtype, dev, generator(dev, s), "normal") for s in item["sets"]]
+    arg_sets = op.input_sets(shape, dtype, dev, item["sets"], "normal")
     method = timing.Method(dev, job.rules.warmup_ms, job.rules.rep_ms, graph=item["graph"],
                            min_reps=timing.MIN_REPS if dev == "cuda" else timing.WALL_MIN_REPS)
     if not settle():

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from engine_templates.ops import get_op
-from engine_templates.ops.base import activation_dtype
+from engine_templates.ops.base import Drawn, activation_dtype
 from tracking.trials import PENDING, Ceilings, Trial
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def describe(op_name: str, target: Target, history: Sequence[Trial], ceilings: C
         op=op.name, signature=op.signature, summary=op.summary, arg_names=op.arg_names,
         persistent=list(op.persistent), model=target.model, dtype=target.dtype, rtol=target.tolerance,
         reference_source=_source(type(op).reference), eager_source=_source(type(op).eager),
-        inputs_source=_source(type(op).inputs), shapes=shapes, ceilings=ceilings,
+        inputs_source=_source(type(op).draw if isinstance(op, Drawn) else type(op).inputs), shapes=shapes, ceilings=ceilings,
         template=template.name, template_source=template.source_path.read_text(),
         template_space=dict(template.space), template_default=dict(template.default),
         best=[_tried(t, labels) for t in best_passed(history, top)],

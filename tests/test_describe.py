@@ -83,6 +83,7 @@ def test_the_description_holds_the_shapes_ceilings_best_sources_and_last_failure
     assert "Template `rows` at point" in text and "accuracy" in text and "rel error 1.41" in text
     assert "| decode_b1 | 10.00 us | 20.0% | 2.50x | - |" in text
     assert "def reference" in text and "def eager" in text and "def build(" in text and "4 TB/s" in text
+    assert "def draw(" in text and '"uniform", scale=0.5) + 1.0' in text  # how the arguments are built
     for odd in op.odd_shapes(TARGET.dims):  # checked, never shown
         assert odd.label not in text
     assert "harness" not in text and "seed" not in text and "90210" not in text

@@ -95,8 +95,15 @@ class Fp8Op(Op):
     def inputs(self, shape, dtype, device, gen, dist):
         """The base op's draw (the same generator, so the same values the oracle sees), each
         weight quantized in place of itself."""
+        return self._quantized(self.base.inputs(shape, dtype, device, gen, dist))
+
+    def input_sets(self, shape, dtype, device, seeds, dist):
+        """The base op's sets (drawn as it draws them), each quantized as `inputs` quantizes one."""
+        return [self._quantized(args) for args in self.base.input_sets(shape, dtype, device, seeds, dist)]
+
+    def _quantized(self, base_args: tuple) -> tuple:
         args = []
-        for name, a in zip(self.base.arg_names, self.base.inputs(shape, dtype, device, gen, dist)):
+        for name, a in zip(self.base.arg_names, base_args):
             args += list(quantize_blocks(a)) if name in self.weights else [a]
         return tuple(args)
 

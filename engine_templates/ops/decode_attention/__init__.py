@@ -15,7 +15,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 
 SPLIT_KV_TEMPLATE = Template(
     name="split_kv",
@@ -54,7 +54,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class DecodeAttention(Op):
+class DecodeAttention(Drawn, Op):
     name = "decode_attention"
     signature = "decode_attention(q, k_cache, v_cache, seq_lens, block_table, scale)"
     persistent = ()  # not the KV cache: new tokens' keys and values land in it every step
@@ -83,18 +83,26 @@ class DecodeAttention(Op):
                 self._shape("odd_b3_ctx333_contig", model, 3, 333, 0),
                 self._shape("odd_b5_ctx77_paged_bs1", model, 5, 77, 1)]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         b, ctx, qh, kvh, hd = d["batch"], d["context"], d["q_heads"], d["kv_heads"], d["head_dim"]
         lens = torch.tensor(seq_lens_for(b, ctx), dtype=torch.int64)
-        lens = lens[torch.randperm(b, generator=gen, device=gen.device).cpu()]  # the longest sequence is not always first
-        q = random_tensor((b, qh, hd), dtype, device, gen, dist)
-        k_valid = random_tensor((int(lens.sum()), kvh, hd), dtype, device, gen, dist)
-        v_valid = random_tensor((int(lens.sum()), kvh, hd), dtype, device, gen, dist)
+        # the longest sequence is not always first
+        orders = [lens[torch.randperm(b, generator=g, device=g.device).cpu()] for g in gens]
+        q = unstack(random_stack((b, qh, hd), dtype, device, gens, dist))
+        k_valid = random_stack((int(lens.sum()), kvh, hd), dtype, device, gens, dist)
+        v_valid = random_stack((int(lens.sum()), kvh, hd), dtype, device, gens, dist)
         # Every cache slot past a sequence's length holds large garbage: keys 4x the data (scores
         # that win the softmax) and values 64x, so a kernel that reads past seq_len is far off.
-        k_junk = random_tensor((GARBAGE_ROWS, kvh, hd), dtype, device, gen, dist, scale=4.0)
-        v_junk = random_tensor((GARBAGE_ROWS, kvh, hd), dtype, device, gen, dist, scale=64.0)
+        k_junk = random_stack((GARBAGE_ROWS, kvh, hd), dtype, device, gens, dist, scale=4.0)
+        v_junk = random_stack((GARBAGE_ROWS, kvh, hd), dtype, device, gens, dist, scale=64.0)
+        return [self._assemble(shape, device, g, *a) for g, *a in zip(gens, orders, q, k_valid, v_valid, k_junk, v_junk)]
+
+    def _assemble(self, shape, device, gen, lens, q, k_valid, v_valid, k_junk, v_junk) -> tuple:
+        """One input set from its drawn tensors: the block table (drawn from `gen`'s own stream)
+        and the caches, garbage past each sequence's length."""
+        d = shape.dims
+        b, ctx, kvh, hd = d["batch"], d["context"], d["kv_heads"], d["head_dim"]
         pos = torch.arange(ctx)
         valid = pos[None, :] < lens[:, None]  # [batch, ctx]: the slots that hold data
         if d["paged"]:

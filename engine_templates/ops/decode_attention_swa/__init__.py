@@ -40,8 +40,8 @@ class Windowed:
     def odd_shapes(self, model: ModelDims):
         return with_window(super().odd_shapes(model), min(window_of(self.name, model), ODD_WINDOW))
 
-    def inputs(self, shape, dtype, device, gen, dist):
-        return (*super().inputs(shape, dtype, device, gen, dist), shape.dims["window"])
+    def draw(self, shape, dtype, device, gens, dist):
+        return [(*a, shape.dims["window"]) for a in super().draw(shape, dtype, device, gens, dist)]
 
 
 class DecodeAttentionSWA(Windowed, DecodeAttention):

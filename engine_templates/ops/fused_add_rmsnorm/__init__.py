@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_templates.ops.base import Template, random_tensor
+from engine_templates.ops.base import Template, random_stack, unstack
 from engine_templates.ops.rmsnorm import ROWS_TEMPLATE as RMSNORM_ROWS
 from engine_templates.ops.rmsnorm import RMSNorm
 
@@ -23,12 +23,12 @@ class FusedAddRMSNorm(RMSNorm):
     n_outputs = 2
     templates = {ROWS_TEMPLATE.name: ROWS_TEMPLATE}
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, h = shape.dims["tokens"], shape.dims["hidden"]
-        x = random_tensor((t, h), dtype, device, gen, dist)
-        residual = random_tensor((t, h), dtype, device, gen, dist, scale=4.0)  # the stream is larger
-        weight = random_tensor((h,), dtype, device, gen, "uniform", scale=0.5) + 1.0
-        return x, residual, weight, 1e-6
+        x = random_stack((t, h), dtype, device, gens, dist)
+        residual = random_stack((t, h), dtype, device, gens, dist, scale=4.0)  # the stream is larger
+        weight = random_stack((h,), dtype, device, gens, "uniform", scale=0.5) + 1.0
+        return [(*a, 1e-6) for a in zip(unstack(x), unstack(residual), unstack(weight))]
 
     def reference(self, x, residual, weight, eps):
         # The new residual is specified as the dtype-rounded sum, because that is what the engine

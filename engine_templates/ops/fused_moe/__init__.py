@@ -27,7 +27,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.ops.rmsnorm import token_shapes
 
 GEMV_TEMPLATE = Template(
@@ -174,7 +174,7 @@ def loop_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize):
 EAGER_PATHS = {"gather": gather_moe, "grouped": grouped_moe, "loop": loop_moe}
 
 
-class FusedMoE(Op):
+class FusedMoE(Drawn, Op):
     name = "fused_moe"
     signature = "fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)"
     persistent = ("w_gate_up", "w_down")  # the router logits are this step's, not a weight
@@ -199,21 +199,26 @@ class FusedMoE(Op):
                 Shape("odd_sizes", {**d, "tokens": 7, "hidden": d["hidden"] // 2 + 7,
                                     "inter": d["inter"] // 2 + 5})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         t, h, n, e, k = d["tokens"], d["hidden"], d["inter"], d["experts"], d["top_k"]
         assert e <= 256, "logits are multiples of 1/32 below 8, exact in bf16"
-        # Token i picks experts perm[(i * k + j) % e], j < k: min(e, t * k) distinct experts.
+        logits = [self._logits(t, e, k, g, device, dtype) for g in gens]  # each set's own stream
+        x = random_stack((t, h), dtype, device, gens, dist)
+        w_gate_up = random_stack((e, 2 * n, h), dtype, device, gens, dist, scale=h ** -0.5)
+        w_down = random_stack((e, h, n), dtype, device, gens, dist, scale=n ** -0.5)
+        return [(*a, k, True) for a in zip(unstack(x), logits, unstack(w_gate_up), unstack(w_down))]
+
+    @staticmethod
+    def _logits(t: int, e: int, k: int, gen, device, dtype) -> torch.Tensor:
+        """Router logits whose top k of token i are experts perm[(i * k + j) % e], j < k: min(e,
+        t * k) distinct experts."""
         perm = torch.randperm(e, generator=gen, device=gen.device)
         chosen = perm[(torch.arange(t * k, device=gen.device) % e).view(t, k)]
         key = torch.rand((t, e), generator=gen, device=gen.device)
         key.scatter_(1, chosen, 2.0 + torch.rand((t, k), generator=gen, device=gen.device))
         ranks = key.argsort(dim=1, descending=True).argsort(dim=1)
-        logits = ((e - ranks).float() / 32).to(device=device, dtype=dtype)
-        x = random_tensor((t, h), dtype, device, gen, dist)
-        w_gate_up = random_tensor((e, 2 * n, h), dtype, device, gen, dist, scale=h ** -0.5)
-        w_down = random_tensor((e, h, n), dtype, device, gen, dist, scale=n ** -0.5)
-        return x, logits, w_gate_up, w_down, k, True
+        return ((e - ranks).float() / 32).to(device=device, dtype=dtype)
 
     def reference(self, x, router_logits, w_gate_up, w_down, top_k, renormalize):
         probs = torch.softmax(router_logits.double(), dim=-1)

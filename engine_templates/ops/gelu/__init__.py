@@ -7,7 +7,7 @@ import math
 import torch
 
 from contract.job import Shape
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.ops.layernorm import image_shapes
 from engine_templates.vision import Sam3Dims
 
@@ -23,7 +23,7 @@ FLAT_TEMPLATE = Template(
 )
 
 
-class Gelu(Op):
+class Gelu(Drawn, Op):
     name = "gelu"
     signature = "gelu(x)"
     modality = "vision"
@@ -37,8 +37,9 @@ class Gelu(Op):
         return [Shape("odd_3rows", {"tokens": 3, "inter": model.intermediate}),
                 Shape("odd_cols", {"tokens": 19, "inter": model.intermediate // 3 + 5})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
-        return (random_tensor((shape.dims["tokens"], shape.dims["inter"]), dtype, device, gen, dist),)
+    def draw(self, shape, dtype, device, gens, dist):
+        return [(x,) for x in unstack(random_stack((shape.dims["tokens"], shape.dims["inter"]), dtype, device,
+                                                   gens, dist))]
 
     def reference(self, x):
         xd = x.double()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from contract.job import Shape
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.vision import Sam3Dims
 
 ROWS_TEMPLATE = Template(
@@ -27,7 +27,7 @@ def image_shapes(model: Sam3Dims, width: dict[str, int], images) -> list[Shape]:
     return [Shape(f"images_{n}", {"tokens": n * model.tokens_per_image, **width}) for n in images]
 
 
-class LayerNorm(Op):
+class LayerNorm(Drawn, Op):
     name = "layernorm"
     signature = "layernorm(x, weight, bias, eps)"
     persistent = ("weight", "bias")
@@ -42,12 +42,12 @@ class LayerNorm(Op):
         return [Shape("odd_3rows", {"tokens": 3, "hidden": model.hidden}),
                 Shape("odd_cols", {"tokens": 37, "hidden": model.hidden // 2 + 13})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, h = shape.dims["tokens"], shape.dims["hidden"]
-        x = random_tensor((t, h), dtype, device, gen, dist)
-        weight = random_tensor((h,), dtype, device, gen, "uniform", scale=0.5) + 1.0
-        bias = random_tensor((h,), dtype, device, gen, "normal", scale=0.5)
-        return x, weight, bias, EPS
+        x = random_stack((t, h), dtype, device, gens, dist)
+        weight = random_stack((h,), dtype, device, gens, "uniform", scale=0.5) + 1.0
+        bias = random_stack((h,), dtype, device, gens, "normal", scale=0.5)
+        return [(*a, EPS) for a in zip(unstack(x), unstack(weight), unstack(bias))]
 
     def reference(self, x, weight, bias, eps):
         xd = x.double()

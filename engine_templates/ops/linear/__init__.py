@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 
 TILES_TEMPLATE = Template(
     name="tiles",
@@ -46,7 +46,7 @@ def projections(model: ModelDims) -> dict[str, tuple[int, int]]:
     return classes
 
 
-class Linear(Op):
+class Linear(Drawn, Op):
     name = "linear"
     signature = "linear(x, weight)"
     persistent = ("weight",)
@@ -63,16 +63,17 @@ class Linear(Op):
         return [Shape("odd_3tokens", {"tokens": 3, "in": model.hidden, "out": model.hidden}),
                 Shape("odd_sizes", {"tokens": 7, "in": model.hidden + 67, "out": 2 * model.hidden + 35})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, k, m = shape.dims["tokens"], shape.dims["in"], shape.dims["out"]
-        x = random_tensor((t, k), dtype, device, gen, dist)
-        weight = random_tensor((m, k), dtype, device, gen, dist, scale=k ** -0.5)
+        x = random_stack((t, k), dtype, device, gens, dist)
+        weight = random_stack((m, k), dtype, device, gens, dist, scale=k ** -0.5)
         # Each 128 x 128 block at its own magnitude (a power of two, 1/4 to 4: exact in any dtype),
         # as trained weights' are: the fp8 target's scales then differ from block to block, and a
         # kernel that applies one block's scale to another is off by up to 16x there.
-        gain = 2.0 ** torch.randint(-2, 3, (-(-m // 128), -(-k // 128)), generator=gen, device=gen.device)
-        weight *= gain.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :k].to(weight.device, dtype)
-        return x, weight
+        gain = 2.0 ** torch.stack([torch.randint(-2, 3, (-(-m // 128), -(-k // 128)), generator=g, device=g.device)
+                                   for g in gens])
+        weight *= gain.repeat_interleave(128, 1)[:, :m].repeat_interleave(128, 2)[:, :, :k].to(weight.device, dtype)
+        return list(zip(unstack(x), unstack(weight)))
 
     def reference(self, x, weight):
         return x.double() @ weight.double().t()

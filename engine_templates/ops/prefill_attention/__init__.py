@@ -17,7 +17,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.ops.decode_attention import GARBAGE_ROWS, PAGE_SIZE, seq_lens_for
 
 FLASH_TEMPLATE = Template(
@@ -64,7 +64,7 @@ def _gather(cache, block_table, b, length):
     return cache[blocks].flatten(0, 1)[:length]
 
 
-class PrefillAttention(Op):
+class PrefillAttention(Drawn, Op):
     name = "prefill_attention"
     signature = "prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale)"
     persistent = ()  # not the KV cache: this step's chunk is written into it before the call
@@ -89,33 +89,41 @@ class PrefillAttention(Op):
                 self._shape("odd_b3_q21_after_50", model, 3, 21, 50),
                 self._shape("odd_b2_q9_after_13_bs1", model, 2, 9, 13, block_size=1)]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         qh, kvh, hd, bs = d["q_heads"], d["kv_heads"], d["head_dim"], d["block_size"]
         q_lens, prefixes = lengths_for(shape)
         totals = [q + p for q, p in zip(q_lens, prefixes)]
         used = [_cdiv(n, bs) for n in totals]
         n_blocks = sum(used) + max(2, sum(used) // 8)  # spare blocks hold garbage
-        perm = torch.randperm(n_blocks, generator=gen, device=gen.device).cpu()
-        table = torch.full((d["batch"], max(used)), int(perm[-1]), dtype=torch.int64)
-        start, rows = 0, []
-        for b, (n, total) in enumerate(zip(used, totals)):
-            table[b, :n] = perm[start:start + n]
-            start += n
-            pos = torch.arange(total)
-            rows.append(table[b, pos // bs] * bs + pos % bs)
-        rows = torch.cat(rows).to(device)
-        caches = []
+        tables, all_rows = [], []
+        for g in gens:  # the block table, from each set's own stream
+            perm = torch.randperm(n_blocks, generator=g, device=g.device).cpu()
+            table = torch.full((d["batch"], max(used)), int(perm[-1]), dtype=torch.int64)
+            start, rows = 0, []
+            for b, (n, total) in enumerate(zip(used, totals)):
+                table[b, :n] = perm[start:start + n]
+                start += n
+                pos = torch.arange(total)
+                rows.append(table[b, pos // bs] * bs + pos % bs)
+            tables.append(table)
+            all_rows.append(torch.cat(rows).to(device))
+        drawn = []
         for scale in (4.0, 64.0):  # garbage keys win a softmax they enter; garbage values are far off
-            junk = random_tensor((GARBAGE_ROWS, kvh, hd), dtype, device, gen, dist, scale=scale)
-            cache = junk.repeat(_cdiv(n_blocks * bs, GARBAGE_ROWS), 1, 1)[:n_blocks * bs]
-            cache[rows] = random_tensor((len(rows), kvh, hd), dtype, device, gen, dist)
-            caches.append(cache.view(n_blocks, bs, kvh, hd))
-        q = random_tensor((sum(q_lens), qh, hd), dtype, device, gen, dist)
+            drawn.append(random_stack((GARBAGE_ROWS, kvh, hd), dtype, device, gens, dist, scale=scale))
+            drawn.append(random_stack((len(all_rows[0]), kvh, hd), dtype, device, gens, dist))
+        q = unstack(random_stack((sum(q_lens), qh, hd), dtype, device, gens, dist))
         cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        seq_lens = torch.tensor(totals, dtype=torch.int32, device=device)
-        return (q, caches[0], caches[1], cu, seq_lens, table.to(device=device, dtype=torch.int32),
-                hd ** -0.5)
+        sets = []
+        for j, (table, rows) in enumerate(zip(tables, all_rows)):
+            caches = []
+            for junk, data in zip(drawn[0::2], drawn[1::2]):
+                cache = junk[j].repeat(_cdiv(n_blocks * bs, GARBAGE_ROWS), 1, 1)[:n_blocks * bs]
+                cache[rows] = data[j]
+                caches.append(cache.view(n_blocks, bs, kvh, hd))
+            sets.append((q[j], caches[0], caches[1], cu.clone(), torch.tensor(totals, dtype=torch.int32, device=device),
+                         table.to(device=device, dtype=torch.int32), hd ** -0.5))
+        return sets
 
     def _per_sequence(self, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, scale, dtype, window):
         outs = []

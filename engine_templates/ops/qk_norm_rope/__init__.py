@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_templates.ops.base import Op, Template, random_tensor
-from engine_templates.ops.rope import MAX_POSITIONS, HeadShapes, _rotate, cos_sin_table
+from engine_templates.ops.base import Drawn, Op, Template, copies, random_stack, unstack
+from engine_templates.ops.rope import MAX_POSITIONS, HeadShapes, _rotate, cos_sin_table, positions_for
 
 HEADS_TEMPLATE = Template(
     name="heads",
@@ -36,7 +36,7 @@ def split_heads(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int):
             v.view(tokens, kv_heads, head_dim))
 
 
-class QKNormRope(HeadShapes, Op):
+class QKNormRope(Drawn, HeadShapes, Op):
     name = "qk_norm_rope"
     signature = "qk_norm_rope(qkv, q_heads, kv_heads, q_norm, k_norm, eps, cos_sin, positions)"
     persistent = ("q_norm", "k_norm", "cos_sin")  # weights and the table, built once at load
@@ -45,15 +45,15 @@ class QKNormRope(HeadShapes, Op):
     n_outputs = 2
     templates = {HEADS_TEMPLATE.name: HEADS_TEMPLATE}
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         t, qh, kvh, hd = d["tokens"], d["q_heads"], d["kv_heads"], d["head_dim"]
-        qkv = random_tensor((t, (qh + 2 * kvh) * hd), dtype, device, gen, dist)
-        q_norm = random_tensor((hd,), dtype, device, gen, "uniform", scale=0.5) + 1.0
-        k_norm = random_tensor((hd,), dtype, device, gen, "uniform", scale=0.5) + 1.0
-        cos_sin = cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device)
-        positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen, device=gen.device).to(device)
-        return qkv, qh, kvh, q_norm, k_norm, 1e-6, cos_sin, positions
+        qkv = random_stack((t, (qh + 2 * kvh) * hd), dtype, device, gens, dist)
+        q_norm = random_stack((hd,), dtype, device, gens, "uniform", scale=0.5) + 1.0
+        k_norm = random_stack((hd,), dtype, device, gens, "uniform", scale=0.5) + 1.0
+        tables = copies(cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device), len(gens))
+        return [(a, qh, kvh, qn, kn, 1e-6, cos_sin, positions_for(t, g, device))
+                for a, qn, kn, cos_sin, g in zip(unstack(qkv), unstack(q_norm), unstack(k_norm), tables, gens)]
 
     def reference(self, qkv, q_heads, kv_heads, q_norm, k_norm, eps, cos_sin, positions):
         hd = q_norm.shape[0]

@@ -5,7 +5,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 
 ROWS_TEMPLATE = Template(
     name="rows",
@@ -27,7 +27,7 @@ def token_shapes(prefix_dims: dict[str, int], decode_batches, prefill_tokens) ->
     return shapes
 
 
-class RMSNorm(Op):
+class RMSNorm(Drawn, Op):
     name = "rmsnorm"
     signature = "rmsnorm(x, weight, eps)"
     persistent = ("weight",)
@@ -41,11 +41,11 @@ class RMSNorm(Op):
         return [Shape("odd_3rows", {"tokens": 3, "hidden": model.hidden}),
                 Shape("odd_cols", {"tokens": 37, "hidden": model.hidden // 2 + 13})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, h = shape.dims["tokens"], shape.dims["hidden"]
-        x = random_tensor((t, h), dtype, device, gen, dist)
-        weight = random_tensor((h,), dtype, device, gen, "uniform", scale=0.5) + 1.0
-        return x, weight, 1e-6
+        x = random_stack((t, h), dtype, device, gens, dist)
+        weight = random_stack((h,), dtype, device, gens, "uniform", scale=0.5) + 1.0
+        return [(a, w, 1e-6) for a, w in zip(unstack(x), unstack(weight))]
 
     def reference(self, x, weight, eps):
         xd = x.double()

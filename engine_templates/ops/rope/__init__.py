@@ -17,7 +17,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, copies, random_stack, unstack
 from engine_templates.ops.rmsnorm import token_shapes
 
 ROWS_TEMPLATE = Template(
@@ -65,6 +65,11 @@ def _rotate(x, cos, sin):
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def positions_for(tokens: int, gen: torch.Generator, device) -> torch.Tensor:
+    """Each token's position, drawn from the generator's own stream (one draw per input set)."""
+    return torch.randint(0, MAX_POSITIONS, (tokens,), generator=gen, device=gen.device).to(device)
+
+
 class HeadShapes:
     """Shapes of an op over q and k heads per token (rope, qk_norm_rope): the model's head counts,
     the workload's decode batches and prefill lengths as token counts, and two odd ones."""
@@ -81,7 +86,7 @@ class HeadShapes:
                 Shape("odd_heads", {"tokens": 11, "q_heads": 6, "kv_heads": 3, "head_dim": 24})]
 
 
-class Rope(HeadShapes, Op):
+class Rope(Drawn, HeadShapes, Op):
     name = "rope"
     signature = "rope(q, k, cos_sin, positions)"
     persistent = ("cos_sin",)  # built once from rope_theta
@@ -96,19 +101,19 @@ class Rope(HeadShapes, Op):
         return [*super().odd_shapes(model),
                 Shape("odd_qkv_views", {"tokens": 5, **self._dims(model), "qkv_views": 1})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         t, hd = d["tokens"], d["head_dim"]
         if d.get("qkv_views"):
-            qkv = random_tensor((t, (d["q_heads"] + 2 * d["kv_heads"]) * hd), dtype, device, gen, dist)
-            q, k, _ = qkv.split((d["q_heads"] * hd, d["kv_heads"] * hd, d["kv_heads"] * hd), dim=-1)
-            q, k = q.view(t, d["q_heads"], hd), k.view(t, d["kv_heads"], hd)
+            qk = []
+            for qkv in unstack(random_stack((t, (d["q_heads"] + 2 * d["kv_heads"]) * hd), dtype, device, gens, dist)):
+                q, k, _ = qkv.split((d["q_heads"] * hd, d["kv_heads"] * hd, d["kv_heads"] * hd), dim=-1)
+                qk.append((q.view(t, d["q_heads"], hd), k.view(t, d["kv_heads"], hd)))
         else:
-            q = random_tensor((t, d["q_heads"], hd), dtype, device, gen, dist)
-            k = random_tensor((t, d["kv_heads"], hd), dtype, device, gen, dist)
-        cos_sin = cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device)
-        positions = torch.randint(0, MAX_POSITIONS, (t,), generator=gen, device=gen.device).to(device)
-        return q, k, cos_sin, positions
+            qk = list(zip(unstack(random_stack((t, d["q_heads"], hd), dtype, device, gens, dist)),
+                          unstack(random_stack((t, d["kv_heads"], hd), dtype, device, gens, dist))))
+        tables = copies(cos_sin_table(hd, MAX_POSITIONS, 1e6).to(device), len(gens))
+        return [(q, k, cos_sin, positions_for(t, g, device)) for (q, k), cos_sin, g in zip(qk, tables, gens)]
 
     def reference(self, q, k, cos_sin, positions):
         half = q.shape[-1] // 2

@@ -5,7 +5,7 @@ import torch
 
 from contract.job import Shape
 from engine_templates.models import ModelDims
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.ops.rmsnorm import token_shapes
 
 FLAT_TEMPLATE = Template(
@@ -20,7 +20,7 @@ FLAT_TEMPLATE = Template(
 )
 
 
-class SiluMul(Op):
+class SiluMul(Drawn, Op):
     name = "silu_mul"
     signature = "silu_mul(gate, up)"
     summary = "silu(gate[tokens, inter]) * up[tokens, inter] -> new tensor like gate"
@@ -38,10 +38,11 @@ class SiluMul(Op):
         return [Shape("odd_3rows", {"tokens": 3, "inter": self.width(model)}),
                 Shape("odd_cols", {"tokens": 19, "inter": self.width(model) // 3 + 5})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, n = shape.dims["tokens"], shape.dims["inter"]
-        return (random_tensor((t, n), dtype, device, gen, dist),
-                random_tensor((t, n), dtype, device, gen, dist))
+        gate = random_stack((t, n), dtype, device, gens, dist)
+        up = random_stack((t, n), dtype, device, gens, dist)
+        return list(zip(unstack(gate), unstack(up)))
 
     def reference(self, gate, up):
         g = gate.double()

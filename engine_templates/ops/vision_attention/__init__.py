@@ -21,7 +21,7 @@ import math
 import torch
 
 from contract.job import Shape
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, copies, random_stack, unstack
 from engine_templates.vision import Sam3Dims
 
 FLASH_TEMPLATE = Template(
@@ -57,7 +57,7 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
-class VisionAttention(Op):
+class VisionAttention(Drawn, Op):
     name = "vision_attention"
     signature = "vision_attention(q, k, v, cos, sin, scale)"
     persistent = ("cos", "sin")
@@ -81,7 +81,7 @@ class VisionAttention(Op):
         return [self._shape("odd_3windows", model, 3, model.window_size),
                 self._shape("odd_side7", model, 2, 7)]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         d = shape.dims
         tokens = d["side"] * d["side"]
         # The heavy draw's magnitudes are log-normal, of mean square e^2: q and k are scaled back to
@@ -89,10 +89,11 @@ class VisionAttention(Op):
         # product: unscaled, at sam3's 5,184 tokens, transformers' own bf16 computation lands 1.2e-2
         # from the oracle, past bf16's tolerance, on a softmax saturated as no trained model's is).
         qk_scale = math.exp(-1.0) if dist == "heavy" else 1.0
-        q, k, v = (random_tensor((d["seqs"], tokens, d["heads"], d["head_dim"]), dtype, device, gen, dist,
-                                 scale=qk_scale if i < 2 else 1.0) for i in range(3))
-        cos, sin = rotary_table(d["side"], d["window"], d["head_dim"], float(d["rope_theta"]), device)
-        return q, k, v, cos, sin, d["head_dim"] ** -0.5
+        q, k, v = (unstack(random_stack((d["seqs"], tokens, d["heads"], d["head_dim"]), dtype, device, gens, dist,
+                                        scale=qk_scale if i < 2 else 1.0)) for i in range(3))
+        cos, sin = (copies(t, len(gens)) for t in rotary_table(d["side"], d["window"], d["head_dim"],
+                                                                float(d["rope_theta"]), device))
+        return [(*a, d["head_dim"] ** -0.5) for a in zip(q, k, v, cos, sin)]
 
     def _attend(self, q, k, v, cos, sin, scale, dtype):
         out = torch.empty(q.shape, dtype=dtype, device=q.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from contract.job import Shape
-from engine_templates.ops.base import Op, Template, random_tensor
+from engine_templates.ops.base import Drawn, Op, Template, random_stack, unstack
 from engine_templates.vision import Sam3Dims
 
 TILES_TEMPLATE = Template(
@@ -37,7 +37,7 @@ def projections(model: Sam3Dims) -> dict[str, tuple[int, int]]:
     return {"qkv": (h, 3 * h), "o": (h, h), "fc1": (h, inter), "fc2": (inter, h)}
 
 
-class VisionLinear(Op):
+class VisionLinear(Drawn, Op):
     name = "vision_linear"
     signature = "vision_linear(x, weight, bias)"
     persistent = ("weight", "bias")
@@ -53,12 +53,12 @@ class VisionLinear(Op):
         return [Shape("odd_3tokens", {"tokens": 3, "in": model.hidden, "out": model.hidden}),
                 Shape("odd_sizes", {"tokens": 37, "in": model.hidden + 13, "out": model.intermediate + 7})]
 
-    def inputs(self, shape, dtype, device, gen, dist):
+    def draw(self, shape, dtype, device, gens, dist):
         t, k, m = shape.dims["tokens"], shape.dims["in"], shape.dims["out"]
-        x = random_tensor((t, k), dtype, device, gen, dist)
-        weight = random_tensor((m, k), dtype, device, gen, dist, scale=k ** -0.5)
-        bias = random_tensor((m,), dtype, device, gen, "normal")
-        return x, weight, bias
+        x = random_stack((t, k), dtype, device, gens, dist)
+        weight = random_stack((m, k), dtype, device, gens, dist, scale=k ** -0.5)
+        bias = random_stack((m,), dtype, device, gens, "normal")
+        return list(zip(unstack(x), unstack(weight), unstack(bias)))
 
     def reference(self, x, weight, bias):
         return x.double() @ weight.double().t() + bias.double()
