@@ -17,17 +17,28 @@ from harness import device as devices
 from harness.stages import probed_sets
 
 _seeds = random.SystemRandom()
+LOW = (1 << 32) - 1
 
 
 def check_plan(job: Job) -> dict:
     dists = itertools.cycle(DISTRIBUTIONS)
-    calls = [{"shape": s.label, "dist": next(dists), "seed": _seeds.getrandbits(62)}
-             for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
+    shapes = [s for s in [*job.shapes, *job.odd_shapes] for _ in range(job.rules.seeds)]
+    calls = [{"shape": s.label, "dist": next(dists), "seed": seed} for s, seed in zip(shapes, fresh_seeds(len(shapes)))]
     return {"calls": calls}
 
 
-def fresh_seeds(n: int) -> list[int]:
-    return [_seeds.getrandbits(62) for _ in range(n)]
+def fresh_seeds(n: int, taken: set[int] | None = None) -> list[int]:
+    """`n` seeds whose low 32 bits differ from each other's and from those in `taken` (which gets
+    theirs): a CPU generator seeds from those bits alone, and two seeds that share them draw the
+    same values."""
+    taken = set() if taken is None else taken
+    out: list[int] = []
+    while len(out) < n:
+        seed = _seeds.getrandbits(62)
+        if seed & LOW not in taken:
+            taken.add(seed & LOW)
+            out.append(seed)
+    return out
 
 
 def probe_items(spec: dict) -> set[str]:
@@ -53,14 +64,15 @@ def bench_plan(job: Job, op, device: str, info: dict, sources: dict[str, str]) -
     if device == "cuda" and fresh:
         torch.cuda.empty_cache()  # the measurement's buffers go back before the sandbox allocates
     l2 = info.get("l2_bytes", 0) if device == "cuda" else 0
-    roofline, items = {}, []
+    roofline, items, taken = {}, [], set()
     for shape in job.shapes:
         nbytes, flops = op.bytes(shape, activation_dtype(dtype)), op.flops(shape)
         roof = max(nbytes / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"]) * 1e6
         roofline[shape.label] = (roof, nbytes, flops)
         n = timing.rotation_count(nbytes, l2) if device == "cuda" else 2
-        items.append({"shape": shape.label, "sets": fresh_seeds(n), "refill": fresh_seeds(len(probed_sets(n))),
-                      "timed_refill": fresh_seeds(2),  # one set refilled inside each candidate timing
+        items.append({"shape": shape.label, "sets": fresh_seeds(n, taken),
+                      "refill": fresh_seeds(len(probed_sets(n)), taken),
+                      "timed_refill": fresh_seeds(2, taken),  # one set refilled inside each candidate timing
                       "graph": timing.by_graph(device, roof, job.rules.launch_bound_us)})
     key = baselines.key(job, info, items, sources)
     section = baselines.plan(job, key)

@@ -271,3 +271,28 @@ def test_the_judge_counts_what_is_not_finite_and_measures_the_error_in_float64()
     result = judge(op, [holes], (gate, up), 1e-2)
     assert (result.ok, result.gate) == (False, "finite")
     assert result.detail == "output has 4 of 128 elements NaN or Inf (unwritten output reads as NaN)"
+
+
+class _Colliding:
+    """Entropy that repeats a low 32-bit word: 5, 5 + 2**32, 7, 7, 9, ..."""
+
+    def __init__(self):
+        self.values = iter([5, 5 + (1 << 32), 7, 7, 9, 11 + (3 << 40), 11, 13])
+
+    def getrandbits(self, k):
+        return next(self.values)
+
+
+def test_a_plans_seeds_never_share_the_low_word_a_cpu_generator_seeds_from(monkeypatch):
+    """A CPU generator seeds from a seed's low 32 bits only, so two seeds sharing them draw the same
+    set: the plan's seeds differ there, also across the lists of one shape and of one plan."""
+    from engine_templates.ops.base import generator
+    from harness import plan
+
+    a, b = (torch.randn(8, generator=generator("cpu", s)) for s in (5, 5 + (1 << 32)))
+    assert torch.equal(a, b)  # why the rule exists
+    monkeypatch.setattr(plan, "_seeds", _Colliding())
+    taken: set[int] = set()
+    assert plan.fresh_seeds(3, taken) == [5, 7, 9]
+    assert plan.fresh_seeds(1, taken) == [11 + (3 << 40)]  # 11's low word is taken now
+    assert taken == {5, 7, 9, 11}
