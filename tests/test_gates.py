@@ -67,6 +67,22 @@ def test_a_candidate_that_takes_the_sandbox_stdin_fails_the_check_on_protocol():
     assert verdict.stages == ["compile", "check"]
 
 
+def test_a_candidate_that_takes_the_sandbox_stdin_fails_the_bench_at_the_go_ahead():
+    """The bench stage waits on stdin for the supervisor's go-ahead before timing each shape (the
+    supervisor's own GPU work must not overlap a timing): a candidate that closes stdin when the
+    bench stage loads it fails there, before any shape is timed, named."""
+    from tasks.evaluate import jobs_for
+
+    honest = (SUITE / "rmsnorm" / "honest_torch.py").read_text()
+    job = jobs_for(Candidate(op="rmsnorm", kind="free", origin="test", source=honest + "\nimport sys\nsys.stdin.close()\n"),
+                   TARGET, CPU_SLOT)["bench"]
+    verdict = LocalExecutor().run(job, CPU_SLOT, 120).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("fail", "protocol"), verdict.to_json()
+    assert verdict.failing_gate.detail == ("decode_b1: the supervisor's go-ahead to time did not arrive as sent: "
+                                           "something in the candidate's process read or closed its stdin")
+    assert not verdict.timings
+
+
 def test_point_outside_the_space_fails_at_load():
     verdict, _ = evaluate(Candidate(op="rmsnorm", kind="template", template="rows",
                                     point={"block_n": 3, "rows_per_program": 1, "num_warps": 4, "num_stages": 1}))
