@@ -15,9 +15,9 @@ import socket
 
 import pytest
 import torch
+from frames import REPORT
 
 from contract.job import Candidate
-from frames import REPORT
 from contract.verdict import Verdict
 from gpu_pool.bundle import current_bundle, unpack
 from gpu_pool.local import LocalExecutor

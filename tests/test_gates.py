@@ -597,6 +597,8 @@ FORGED_HEADERS = {
                                b'"nbytes": [4]}\n'),
     "text byte count": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], '
                         b'"offsets": [0], "nbytes": ["4"]}\n'),
+    "byte count as a float": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], '
+                              b'"offsets": [0], "nbytes": [4.0]}\n'),
     "negative byte count": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}], '
                             b'"offsets": [1], "nbytes": [-1]}\n'),
     "byte counts that cancel": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}, '
