@@ -4,7 +4,8 @@ buffer its outputs cross in.
 Frames are a JSON header line, never pickle, so nothing the candidate's process sends can run
 code in the supervisor. An output's bytes do not travel in the frame: the sandbox copies them
 into the staging buffer (`Staging`: shared memory the supervisor makes before the sandbox
-starts, of a size fixed then and sealed, pinned for DMA on a GPU host) and the frame says where
+starts, sized and sealed before the sandbox's first request, pinned for DMA on a GPU host) and
+the frame says where
 they lie (offset, byte count, dtype, shape). The supervisor copies each output out of the buffer
 into memory of its own, on the oracle's device, before anything else reads it, and only then
 answers `taken` (the sandbox reuses the buffer for its next output once it has that answer):
