@@ -105,7 +105,7 @@ class Staging:
     def take(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int], device: str) -> torch.Tensor:
         """The bytes at [offset, offset + nbytes), copied into a tensor of this process's own on
         `device` (one copy; from pinned memory to a GPU, DMA), as `dtype` of `shape`."""
-        if self.pins is not None and device != "cpu":
+        if nbytes and self.pins is not None and device != "cpu":
             self.pins.cover(offset + nbytes)
         snap = torch.empty(nbytes, dtype=torch.uint8, device=device)
         snap.copy_(self.view[offset:offset + nbytes])  # synchronous: the copy is done on return
