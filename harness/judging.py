@@ -14,11 +14,18 @@ from engine_templates.ops import get_op
 from engine_templates.ops.base import activation_dtype, generator
 from harness import baselines
 from harness import device as devices
-from harness.channel import CutOff, ProtocolError, brief, check_timing, item_index, read_frame
+from harness.channel import CutOff, ProtocolError, Staging, brief, check_timing, item_index, read_frame, staging_size
 from harness.checks import judge
 from harness.deadline import Deadline
 from harness.plan import bench_plan, check_plan, probe_items
 from harness.stages import refill_seed, shapes_by_label
+
+
+def output_bytes(job: Job) -> int:
+    """What the staging buffer must hold for one call's outputs at the job's shapes: never more
+    bytes than the call moves (`Op.bytes` counts each output written once)."""
+    op, dtype = get_op(job.candidate.op, job.rules.dtype), activation_dtype(job.rules.dtype)
+    return staging_size(max(op.bytes(s, dtype) for s in shapes_by_label(job).values()), op.n_outputs)
 
 
 class Judge:
@@ -39,8 +46,7 @@ class Judge:
         self.settles = 0  # settle frames answered: the sandbox numbers its own from 0, and again after loading
         self.compiling: list[str] = []  # compile stage: the shapes called so far, in order
         self.plan = {"compile": dict, "check": lambda: check_plan(job), "bench": self._bench_plan}[job.stage]()
-        biggest = max(self.op.bytes(s, self.dtype) for s in self.shapes.values())
-        self.max_payload = 4 * biggest + (1 << 20)
+        self.output_bytes = output_bytes(job)
 
     def _bench_plan(self) -> dict:
         bench = bench_plan(self.job, self.op, self.device, self.v.device, self.sources)
@@ -49,10 +55,15 @@ class Judge:
 
     # -- reading --------------------------------------------------------------
     def read(self, stream: BinaryIO, stop: Callable[[], None], go: Callable[[], bool] = lambda: True,
-             killed: Callable[[], bool] = lambda: False, until: str = "done") -> None:
+             killed: Callable[[], bool] = lambda: False, until: str = "done", staging: Staging | None = None,
+             taken: Callable[[], bool] = lambda: True) -> None:
         """Frames until the sandbox is done, ends, or a gate fails (then it is stopped). `go`
         answers a `settle` frame: the sandbox waits for it before it times a shape; False when
-        the answer could not be written at once (the answers before it lie unread). `killed`
+        the answer could not be written at once (the answers before it lie unread). `staging`:
+        the buffer whose bytes a frame's tensors point at, copied out of it onto this judge's
+        device as each frame is read; `taken` then tells the sandbox it may reuse the buffer
+        (False, as `go`: the answer could not be written at once). What is judged is that copy
+        alone, whatever the buffer holds afterwards. `killed`
         says whether the harness killed the sandbox (at the stage's limit, or over its memory): then
         a frame cut short is the kill's doing, the end of the report and not a fault in it. `until`:
         the frame that ends this reading (`loading`: the bench stage's baselines, read before the
@@ -60,7 +71,7 @@ class Judge:
         self._go = go
         while self.v.status == PASS and not self.done and until not in self.marks:
             try:
-                frame = read_frame(stream, self.max_payload)
+                frame = read_frame(stream, staging, self.device)
             except ProtocolError as e:
                 if isinstance(e, CutOff) and killed():
                     return
@@ -69,6 +80,12 @@ class Judge:
                 break
             if frame is None:
                 return
+            if frame[1] and not taken():
+                # The sandbox reads each `taken` before it sends its next output: a full stdin means
+                # the candidate's process sent these frames.
+                self.v.gate("protocol", False, "the sandbox's stdin is full of answers nothing read: something in "
+                                               "the candidate's process sent output frames")
+                break
             try:
                 self._take(*frame)
             except ProtocolError as e:  # a frame the sandbox never writes: the candidate's process did

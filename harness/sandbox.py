@@ -1,4 +1,4 @@
-"""`python -P -m harness.sandbox FD`: the candidate's own process, started by the supervisor —
+"""`python -P -m harness.sandbox FD STAGING`: the candidate's own process, started by the supervisor —
 as a fork of it, with torch and the harness already imported (harness/processes.py), or as a fresh
 interpreter.
 
@@ -10,7 +10,8 @@ by `loading`, then each stage of the candidate's session in turn, each ended by 
 the identity of every timer and harness function and imports the candidate from its scratch
 directory at each stage afresh (its module's state starts anew, as in a process of its own),
 with Triton's and Inductor's caches pointed at its own (harness/caches.py). Everything it finds goes to the supervisor
-as frames on FD; it decides no verdict — a process that dies or stops reporting is a crash
+as frames on FD, each output's bytes in the staging buffer STAGING (harness/channel.py), which it
+reuses only once the supervisor has answered `taken` on stdin; it decides no verdict — a process that dies or stops reporting is a crash
 there. In the bench stage it waits on stdin before timing each shape, until the supervisor has
 judged what it was sent and left the GPU idle (`settle`), so that no work of the supervisor's
 shares the GPU with a timing. It ends when stdin does, or when the supervisor kills it.
@@ -39,10 +40,16 @@ def main() -> int:
     from engine_templates.ops import get_op
     from harness import checks, device, integrity, stages, timing  # noqa: F401  (watched below)
     from harness.baselines import measure as measure_baselines
-    from harness.channel import Sender
+    from harness.channel import Sender, Stager
     from harness.load import Rejected, load
 
-    send = Sender(int(sys.argv[1])).send
+    sender = Sender(int(sys.argv[1]))
+
+    def send(kind: str, tensors=(), **fields) -> None:
+        sender.send(kind, tensors, **fields)
+        if tensors and not _answered(stdin, "taken"):  # the buffer is the supervisor's until then
+            raise Unanswered(f"the supervisor's answer to {fields.get('item', kind)!r} did not arrive as sent")
+
     isolation = f"{memory}; {network}; pid {os.getpid()}"
     # Numbered: the supervisor answers each number once. Numbered from 0 before the baselines and
     # again once the candidate loads.
@@ -61,6 +68,8 @@ def main() -> int:
         op, dev = get_op(job.candidate.op, job.rules.dtype), request["device"]
         if dev == "cuda":
             torch.cuda.set_per_process_memory_fraction(request["gpu_memory_fraction"])
+        if sender.stager is None:  # sized and sealed by the supervisor before its first request
+            sender.stager = Stager(int(sys.argv[2]), dev)
         caches = request.get("caches", {})
         if request.get("part") == "baselines":  # harness/baselines.py; ends with `loading`, or a failure
             send("isolation", detail=isolation)
@@ -89,11 +98,18 @@ def main() -> int:
             send("gate", name="memory", passed=False, detail=f"importing the candidate: {stages.describe_exception(e)}")
             send("done")
             return 0
-        if job.stage == "bench":
-            stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
-                               patched=identities.changed)
-        else:
-            {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev, request["plan"], send)
+        try:
+            if job.stage == "bench":
+                stages.bench_stage(job, op, fn, dev, request["plan"], send, baselines, settle=settle,
+                                   patched=identities.changed)
+            else:
+                {"compile": stages.compile_stage, "check": stages.check_stage}[job.stage](job, op, fn, dev,
+                                                                                          request["plan"], send)
+        except Unanswered as e:
+            send("gate", name="protocol", passed=False,
+                 detail=f"{e}: something in the candidate's process read or closed its stdin")
+            send("done")
+            return 0
         patched = identities.changed()
         if patched:
             send("gate", name="timer_integrity", passed=False, detail=integrity.swapped_detail(patched))
@@ -101,13 +117,22 @@ def main() -> int:
     return 0
 
 
+class Unanswered(Exception):
+    """The supervisor's `taken` did not come as sent: something in this process read stdin."""
+
+
 def _settle(send, stdin, n: int) -> bool:
     """Before a shape is timed: ask the supervisor to finish judging what it was sent and to
     leave the GPU idle, and wait for its answer. False when the answer is not the expected one
     (something in this process read or closed stdin). `n` counts the questions from 0."""
     send("settle", n=n)
+    return _answered(stdin, "go")
+
+
+def _answered(stdin, word: str) -> bool:
+    """Whether the supervisor's next line on stdin is `word`."""
     try:
-        return stdin.readline() == "go\n"
+        return stdin.readline() == word + "\n"
     except (OSError, ValueError):  # closed, or its descriptor taken away
         return False
 

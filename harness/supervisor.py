@@ -110,6 +110,15 @@ class Session:
                 self.sandbox = Sandbox(job, self.scratch, judge.device)
                 self.sandbox.watch(deadline)
             sandbox = self.sandbox
+            if first:  # before the sandbox's first request: one call's outputs of any of the session's stages
+                from harness.judging import output_bytes
+
+                sandbox.size_staging(max(judge.output_bytes, output_bytes(self.bench) if self.bench else 0))
+            elif judge.output_bytes > sandbox.staging.size:
+                v.crash("harness", f"the {job.stage} stage's outputs may take {judge.output_bytes} bytes a call; "
+                                   f"the session's staging buffer holds {sandbox.staging.size}")
+                self.close()
+                return v
             if first and self.private:  # after the fork: the sandbox stays dumpable, as a fresh process is
                 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             if baselines_first:
@@ -148,6 +157,7 @@ class Session:
         v.wall_s = time.perf_counter() - t0
         v.device["sandbox_start"] = sandbox.how
         v.device["sandbox"] = f"pid {sandbox.proc.pid}, stage {len(self.done)} of its session"
+        v.device["staging"] = sandbox.staging.describe()
         points = [("prepare", t0)] + ([("sandbox_start", sandbox.started_at)] if first else [])
         if baselines_first:
             points.append(("isolation", self.bench_judge.marks.get("isolation", time.perf_counter())))
@@ -281,16 +291,21 @@ class Sandbox:
         home = scratch / "sandbox"
         home.mkdir(exist_ok=True)
         self.read_fd, w = os.pipe()
+        # The staging buffer the outputs cross in (harness/channel.py): this process's, made before
+        # the sandbox so that it inherits it; sized and sealed before its first request.
+        self.staging_fd = os.memfd_create("infersmith-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.staging = None
         # A supervisor started fresh (not by the fork server) starts a fresh sandbox at once, which
         # imports torch while this process does: importing first and then forking would do the
         # two one after the other.
         why = processes.why_not_fork() or processes.not_warm()
         self.warm = not why
         if self.warm:
-            self.proc = _fork_sandbox(home, w)
+            self.proc = _fork_sandbox(home, w, self.staging_fd)
         else:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w)], cwd=home,
-                                         env=_sandbox_env(), stdin=subprocess.PIPE, pass_fds=(w,))
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "harness.sandbox", str(w), str(self.staging_fd)],
+                                         cwd=home, env=_sandbox_env(), stdin=subprocess.PIPE,
+                                         pass_fds=(w, self.staging_fd))
         self.how = "a fork of the supervisor" if self.warm else f"a fresh interpreter ({why})"
         self.started_at = time.perf_counter()
         os.close(w)
@@ -319,14 +334,21 @@ class Sandbox:
         except (BrokenPipeError, ValueError):
             pass  # it died (or stdin is closed at its end); its exit status says how
 
-    def _go(self) -> bool:
-        """Answer a `settle` frame, never blocking: were the candidate's process to send settle
-        frames and leave the answers unread (a fork holding stdin), a blocking write would stop
-        the judge, and with it the verdict, until a kill. False when the pipe is full."""
+    def size_staging(self, size: int) -> None:
+        """Give the staging buffer its size, once, before the sandbox's first request."""
+        from harness.channel import Staging
+
+        self.staging = Staging(self.staging_fd, size)
+
+    def _answer(self, word: str) -> bool:
+        """Answer a `settle` frame (`go`) or an output frame (`taken`), never blocking: were the
+        candidate's process to send such frames and leave the answers unread (a fork holding
+        stdin), a blocking write would stop the judge, and with it the verdict, until a kill.
+        False when the pipe is full."""
         fd = self.proc.stdin.fileno()  # everything before the answers was flushed in run()
         os.set_blocking(fd, False)
         try:
-            os.write(fd, b"go\n")  # at most PIPE_BUF bytes: written whole or not at all
+            os.write(fd, word.encode() + b"\n")  # at most PIPE_BUF bytes: written whole or not at all
         except BlockingIOError:
             return False
         except BrokenPipeError:
@@ -344,14 +366,16 @@ class Sandbox:
 
             torch.zeros((), device="cuda")
             self.cuda_ready = True
+            self.staging.pin()  # the judge copies each output from it to the device: DMA
 
     def read(self, judge, deadline: Deadline, until: str = "done") -> None:
         """Read the report into `judge` until the sandbox sends `until`, fails a gate, or ends;
         the sandbox is killed when the stage did not pass. stdin stays open: the bench stage waits
         on it before timing each shape (`settle`), and the session's next stage comes on it."""
         self.report.deadline = deadline
-        judge.read(self.stream, stop=lambda: kill(self.proc.pid), go=self._go, until=until,
-                   killed=lambda: deadline.struck or self.watchdog.tripped is not None)
+        judge.read(self.stream, stop=lambda: kill(self.proc.pid), go=lambda: self._answer("go"), until=until,
+                   killed=lambda: deadline.struck or self.watchdog.tripped is not None, staging=self.staging,
+                   taken=lambda: self._answer("taken"))
 
     def end(self) -> None:
         if self.ended:
@@ -369,12 +393,13 @@ class Sandbox:
             self.watchdog.stop()
         kill_descendants()
         self.stream.close()
+        os.close(self.staging_fd)  # its mapping, and the judge's copies, stay this process's
 
 
-def _fork_sandbox(home: Path, report_w: int) -> processes.Forked:
-    """The sandbox as a fork of this process, set up as `python -P -m harness.sandbox FD` would be:
-    stdin a pipe from here, the report channel at FD, the sandbox's environment, this process's
-    directory off the import path."""
+def _fork_sandbox(home: Path, report_w: int, staging: int) -> processes.Forked:
+    """The sandbox as a fork of this process, set up as `python -P -m harness.sandbox FD STAGING`
+    would be: stdin a pipe from here, the report channel at FD, the staging buffer at STAGING, the
+    sandbox's environment, this process's directory off the import path."""
     stdin_r, stdin_w = os.pipe()
     path = [p for p in sys.path if p not in ("", os.getcwd())]
 
@@ -382,11 +407,12 @@ def _fork_sandbox(home: Path, report_w: int) -> processes.Forked:
         from harness import sandbox
 
         sys.path[:] = path
-        sys.argv = ["python -m harness.sandbox", str(report_w)]
+        sys.argv = ["python -m harness.sandbox", str(report_w), str(staging)]
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # a reader of its own on the new stdin
         return sandbox.main()
 
-    pid = processes.fork(run, {0: stdin_r, 1: 1, 2: 2, report_w: report_w}, str(home), _sandbox_env())
+    pid = processes.fork(run, {0: stdin_r, 1: 1, 2: 2, report_w: report_w, staging: staging}, str(home),
+                         _sandbox_env())
     os.close(stdin_r)
     return processes.Forked(pid, os.fdopen(stdin_w, "wb"))
 

@@ -15,6 +15,7 @@ import socket
 
 import pytest
 import torch
+from frames import REPORT
 
 from contract.job import Candidate
 from contract.verdict import Verdict
@@ -90,12 +91,7 @@ def test_timing_frames_forged_at_import_do_not_pass_the_bench_stage():
 
 # -- the channel's rules, on the frames a candidate could write -----------------------------------
 
-def _frame(kind: str, tensors=(), **fields) -> bytes:
-    """A frame as harness.channel.Sender writes it."""
-    meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
-    blobs = [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
-    header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [len(b) for b in blobs], **fields})
-    return header.encode() + b"\n" + b"".join(blobs)
+_frame = REPORT.frame  # a frame as harness.channel.Sender writes it, its tensors in REPORT's staging buffer
 
 
 def _judge(stage: str):
@@ -106,8 +102,8 @@ def _judge(stage: str):
     return Judge(job, v), v
 
 
-def _read(judge, stream: bytes) -> None:
-    judge.read(io.BytesIO(stream), stop=lambda: None)
+def _read(judge, stream: bytes, staging=REPORT.staging, taken=lambda: True) -> None:
+    judge.read(io.BytesIO(stream), stop=lambda: None, staging=staging, taken=taken)
     judge.finish(0)
 
 
@@ -232,6 +228,35 @@ def test_the_compile_pass_counts_only_once_every_shape_was_announced():
           + _frame("done"))
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
     assert '"name": "compile", "passed": true' in v.failing_gate.detail
+
+
+def test_an_output_changed_after_it_was_taken_cannot_change_the_verdict():
+    """The judge copies each output out of the staging buffer before it answers `taken`, and
+    judges that copy alone: what the sandbox's process writes there once answered (NaN here, over
+    each output the moment its `taken` is written) changes nothing, and the right outputs pass.
+    Judged where they lie, the same report would fail `finite`."""
+    from engine_templates.ops import get_op
+    from engine_templates.ops.base import generator
+
+    judge, v = _judge("check")
+    op, report, places = get_op("rmsnorm"), _frame("loading"), []
+    for i, call in enumerate(judge.plan["calls"]):
+        args = op.inputs(judge.shapes[call["shape"]], torch.float32, "cpu", generator("cpu", call["seed"]), call["dist"])
+        frame = _frame("outputs", [op.eager(*args)], item=f"check/{i}")
+        header = json.loads(frame)
+        places.append((header["offsets"][0], header["nbytes"][0]))
+        report += frame
+    answered = []
+
+    def taken() -> bool:  # the buffer is the sandbox's again: it writes NaN over what was just taken
+        offset, nbytes = places[len(answered)]
+        REPORT.staging.view[offset:offset + nbytes].fill_(255)
+        answered.append(offset)
+        return True
+
+    _read(judge, report + _frame("done"), taken=taken)
+    assert v.status == "pass" and judge.judged == len(places) == len(answered), v.to_json()
+    assert all(REPORT.staging.view[o:o + n].view(torch.float32).isnan().all() for o, n in places)
 
 
 # -- isolation and integrity, by real candidates ---------------------------------------------------
@@ -393,11 +418,23 @@ CHANNEL_RULES = {
                               "outputs for 'check/99999', which the plan never asked for"),
     "a-kind-it-never-sends": ("check", _frame("verdict", status="pass"), "unexpected frame 'verdict' in the check stage"),
     "an-oversized-payload": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "uint8", "shape": [1 << 40]}],
-                                              nbytes=[1 << 40]), "exceeds the"),
+                                              offsets=[0], nbytes=[1 << 40]), "past the end of the"),
+    "an-offset-past-the-end": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [4]}],
+                                                offsets=[REPORT.staging.size - 8], nbytes=[16]),
+                               f"bytes {REPORT.staging.size - 8} to {REPORT.staging.size + 8} past the end of the"),
+    "a-negative-offset": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [4]}],
+                                           offsets=[-16], nbytes=[16]), "malformed header"),
+    "overlapping-outputs": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [4]}] * 2,
+                                             offsets=[64, 72], nbytes=[16, 16]),
+                            "outputs overlap in the staging buffer (one ends at 80, the next starts at 72)"),
+    "outputs-without-offsets": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [4]}],
+                                                 nbytes=[16]) + bytes(16), "malformed header"),
+    "outputs-without-the-buffer": ("check", _frame("outputs", [torch.zeros(1)], item="check/0"),
+                                   "tensors, and no staging buffer to find them in"),
     "an-unknown-dtype": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float128", "shape": [1]}],
-                                          nbytes=[16]) + bytes(16), "unknown dtype 'float128'"),
+                                          offsets=[0], nbytes=[16]), "unknown dtype 'float128'"),
     "a-payload-off-its-shape": ("check", _header(kind="outputs", item="check/0", tensors=[{"dtype": "float32", "shape": [3]}],
-                                                 nbytes=[4]) + bytes(4), "payload does not fit shape [3]"),
+                                                 offsets=[0], nbytes=[4]), "4 bytes for shape [3] of float32, which takes 12"),
     "a-header-past-the-limit": ("check", b"x" * (1 << 20) + b"\n", "header line too long"),
 }
 
@@ -411,6 +448,73 @@ def test_each_channel_rule_stops_its_frame_in_its_own_words(rule):
                       for i in judge.plan["shapes"]) if stage == "bench" else b""
     if rule != "a-timing-before-loading":
         before += _frame("loading")
-    _read(judge, before + frames + _frame("done"))
+    _read(judge, before + frames + _frame("done"), staging=None if rule == "outputs-without-the-buffer" else REPORT.staging)
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
     assert words in v.failing_gate.detail, v.failing_gate.detail
+
+
+# At import, starts a thread that writes NaN over the start of the staging buffer (the descriptor
+# the sandbox inherited, its second argument) for as long as the process lives: every output it
+# returns is overwritten after the call, while the sandbox hands it over.
+REWRITES_STAGING = '''import sys
+
+import torch
+
+_imp = getattr(getattr(sys, "mod" + "ules")["builtins"], "__imp" + "ort__")
+_os, _threads = _imp("o" + "s"), _imp("thr" + "eading")
+_fd, _nan = int(sys.argv[2]), b"\\xff" * 65536
+
+
+def _rewrite():
+    while True:
+        getattr(_os, "pwr" + "ite")(_fd, _nan, 0)
+
+
+getattr(_threads, "Thr" + "ead")(target=_rewrite, daemon=True).start()
+''' + RMSNORM
+
+
+def test_outputs_still_written_in_the_staging_buffer_after_the_call_fail_the_check():
+    """The judge judges the bytes it copied out of the staging buffer, as they were when it took
+    them: a candidate whose thread keeps writing there is judged on what it wrote (NaN), never on
+    what the sandbox copied in before."""
+    v = run_stage("check", REWRITES_STAGING)
+    status, gate, detail = failed(v)
+    assert (status, gate) == ("fail", "finite"), v.to_json()
+    assert "NaN or Inf" in detail, detail
+
+
+# At import, starts a thread that shrinks the staging buffer to nothing and grows it back, over
+# and over, until the system refuses: a read of the supervisor's mapping past the file's end
+# would kill it (SIGBUS). Otherwise an honest rmsnorm.
+SHRINKS_STAGING = '''import sys
+
+import torch
+
+_imp = getattr(getattr(sys, "mod" + "ules")["builtins"], "__imp" + "ort__")
+_os, _threads = _imp("o" + "s"), _imp("thr" + "eading")
+_fd = int(sys.argv[2])
+_size, _cut = getattr(_os, "fst" + "at")(_fd).st_size, getattr(_os, "ftrun" + "cate")
+_refused = []
+
+
+def _shrink():
+    while not _refused:
+        try:
+            _cut(_fd, 0)
+            _cut(_fd, _size)
+        except OSError as e:
+            _refused.append(e)
+
+
+getattr(_threads, "Thr" + "ead")(target=_shrink, daemon=True).start()
+''' + RMSNORM
+
+
+def test_the_staging_buffer_is_sealed_against_shrinking_from_under_the_judge():
+    """The supervisor seals the buffer's size before the sandbox runs a candidate: the first
+    attempt to shrink it is refused, and the honest rmsnorm passes. Unsealed, the buffer would
+    vanish under the sandbox's copies or the judge's (SIGBUS), and no verdict would pass."""
+    v = run_stage("check", SHRINKS_STAGING)
+    assert v.status == "pass", v.to_json()
+    assert v.device["staging"].endswith("bytes of shared memory, sealed"), v.device

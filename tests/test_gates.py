@@ -19,6 +19,7 @@ from tracking.ledger import Charge
 
 TARGET = Target(model="tiny", budget={"stage_timeout_s": 60})
 from conftest import CANDIDATES as SUITE
+from frames import REPORT
 
 
 def evaluate(candidate: Candidate, target: Target = TARGET) -> tuple[Verdict, Charge]:
@@ -53,15 +54,33 @@ def test_honest_torch_module_passes_every_stage():
     assert verdict.score() > 0 and set(charge.stage_seconds) == {"compile", "check", "bench"}
 
 
-def test_a_candidate_that_takes_the_sandbox_stdin_fails_the_bench_on_protocol():
-    """The bench stage waits on stdin for the supervisor's go-ahead before timing each shape
-    (the supervisor's own GPU work must not overlap a timing); a candidate that closes stdin
-    passes compile and check, which do not wait, and fails the bench, named."""
+def test_a_candidate_that_takes_the_sandbox_stdin_fails_the_check_on_protocol():
+    """The sandbox waits on stdin for the supervisor's `taken` after each output it hands over
+    (and, in the bench stage, for its go-ahead before timing each shape); a candidate that closes
+    stdin passes compile, which sends no outputs, and fails the check at its first output, named."""
     honest = (SUITE / "rmsnorm" / "honest_torch.py").read_text()
     verdict, _ = evaluate(Candidate(op="rmsnorm", kind="free", origin="test",
                                     source=honest + "\nimport sys\nsys.stdin.close()\n"))
     assert (verdict.status, verdict.failing_gate.name) == ("fail", "protocol"), verdict.to_json()
-    assert "stdin" in verdict.failing_gate.detail and verdict.stages == ["compile", "check", "bench"]
+    assert verdict.failing_gate.detail == ("the supervisor's answer to 'check/0' did not arrive as sent: something in "
+                                           "the candidate's process read or closed its stdin")
+    assert verdict.stages == ["compile", "check"]
+
+
+def test_a_candidate_that_takes_the_sandbox_stdin_fails_the_bench_at_the_go_ahead():
+    """The bench stage waits on stdin for the supervisor's go-ahead before timing each shape (the
+    supervisor's own GPU work must not overlap a timing): a candidate that closes stdin when the
+    bench stage loads it fails there, before any shape is timed, named."""
+    from tasks.evaluate import jobs_for
+
+    honest = (SUITE / "rmsnorm" / "honest_torch.py").read_text()
+    job = jobs_for(Candidate(op="rmsnorm", kind="free", origin="test", source=honest + "\nimport sys\nsys.stdin.close()\n"),
+                   TARGET, CPU_SLOT)["bench"]
+    verdict = LocalExecutor().run(job, CPU_SLOT, 120).verdict
+    assert (verdict.status, verdict.failing_gate.name) == ("fail", "protocol"), verdict.to_json()
+    assert verdict.failing_gate.detail == ("decode_b1: the supervisor's go-ahead to time did not arrive as sent: "
+                                           "something in the candidate's process read or closed its stdin")
+    assert not verdict.timings
 
 
 def test_point_outside_the_space_fails_at_load():
@@ -474,8 +493,8 @@ def test_settle_frames_the_sandbox_never_waits_on_fail_protocol_without_blocking
 
 
 def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the_candidate():
-    """Killed at the limit, the sandbox may be inside a frame (blocked writing a large output while
-    the judge judges the one before): that frame's end never comes. Unless the harness killed it,
+    """Killed at the limit, the sandbox may be inside a frame (a header line longer than a pipe
+    takes in one write, half written): that frame's end never comes. Unless the harness killed it,
     a frame cut short is still a protocol failure."""
     import io
 
@@ -485,8 +504,7 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
     slot = CPU_SLOT
     job = jobs_for(Candidate("rmsnorm", "free", source="x = 1\n"), Target(model="tiny", dtype="fp32"), slot)["check"]
     cut = (b'{"kind": "isolation", "tensors": [], "nbytes": [], "detail": "none"}\n'
-           b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "nbytes": [16], "item": "check/0"}\n'
-           + bytes(7))
+           b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "offsets": [0], "nbytes": [16], "it')
     for killed in (False, True):
         v = Verdict("rmsnorm", "c")
         judge = Judge(job, v)
@@ -497,11 +515,11 @@ def test_a_frame_the_deadline_kill_cut_short_ends_the_report_without_blaming_the
             assert (v.status, gate.name) == ("crash", "time_limit"), v.to_json()
             assert gate.detail.endswith("0 of 15 planned calls judged, all within tolerance")
         else:
-            assert (v.status, gate.name) == ("fail", "protocol") and "stream ended inside a payload" in gate.detail
+            assert (v.status, gate.name) == ("fail", "protocol") and "header line cut off" in gate.detail
 
 
-# On its first call, starts an output frame on the harness's channel and, before its end,
-# takes host memory until the watchdog kills it.
+# On its first call, starts an output frame's header on the harness's channel and, before its
+# end, takes host memory until the watchdog kills it.
 LEAKS_INSIDE_A_FRAME = '''import os
 import sys
 
@@ -511,8 +529,7 @@ _write, _kept = getattr(os, "wr" + "ite"), []
 
 
 def rmsnorm(x, weight, eps):
-    _write(int(sys.argv[1]), b'{"kind": "outputs", "tensors": [{"dtype": "uint8", "shape": [64]}], '
-                             b'"nbytes": [64], "item": "check/0"}\\n' + bytes(8))
+    _write(int(sys.argv[1]), b'{"kind": "outputs", "tensors": [{"dtype": "uint8", "shape": [64]}], ')
     while True:
         _kept.append(torch.ones(256 << 20, dtype=torch.uint8))
 '''
@@ -534,14 +551,7 @@ def test_a_frame_the_memory_watchdog_cut_short_is_a_memory_crash_not_protocol():
     assert [g.name for g in verdict.gates if not g.passed] == ["memory"]
 
 
-def _frame(kind: str, tensors=(), **fields) -> bytes:
-    """A frame as harness.channel.Sender writes it."""
-    import json
-
-    meta = [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors]
-    blobs = [t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
-    header = json.dumps({"kind": kind, "tensors": meta, "nbytes": [len(b) for b in blobs], **fields})
-    return header.encode() + b"\n" + b"".join(blobs)
+_frame = REPORT.frame  # a frame as harness.channel.Sender writes it, its tensors in REPORT's staging buffer
 
 
 # A first shape's timing frame as the sandbox sends it, on a CPU (wall clock, no torch.compile).
@@ -583,11 +593,17 @@ FORGED_HEADERS = {
     "timing without dims": _frame("timing", graph_outputs=0, **{k: v for k, v in FIRST_TIMING.items() if k != "dims"}),
     "timing with a text count": _frame("timing", **FIRST_TIMING | {"graph_outputs": "x"}),
     "timing with a text time": _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": "1"}),
-    "tensor without a dtype": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"shape": [1]}], "nbytes": [4]}\n',
-    "text byte count": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], "nbytes": ["4"]}\n',
-    "negative byte count": b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}], "nbytes": [-1]}\n',
+    "tensor without a dtype": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"shape": [1]}], "offsets": [0], '
+                               b'"nbytes": [4]}\n'),
+    "text byte count": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], '
+                        b'"offsets": [0], "nbytes": ["4"]}\n'),
+    "byte count as a float": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "float32", "shape": [1]}], '
+                              b'"offsets": [0], "nbytes": [4.0]}\n'),
+    "negative byte count": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}], '
+                            b'"offsets": [1], "nbytes": [-1]}\n'),
     "byte counts that cancel": (b'{"kind": "outputs", "item": "bench/0/timed/0", "tensors": [{"dtype": "uint8", "shape": [0]}, '
-                                b'{"dtype": "uint8", "shape": [0]}], "nbytes": [35184372088832, -35184372088832]}\n'),
+                                b'{"dtype": "uint8", "shape": [0]}], "offsets": [0, 0], '
+                                b'"nbytes": [35184372088832, -35184372088832]}\n'),
 }
 
 
@@ -624,7 +640,7 @@ def test_frames_only_the_candidate_writes_fail_protocol_rather_than_shape_a_stop
         if forged == "second timing":
             timings += _frame("timing", graph_outputs=0, **FIRST_TIMING | {"candidate_us": 0.01})
         stream = _baselines_then_loading(judge) + timings + probes + probe("refill", 0) + probe("refill", 1)
-    judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True)
+    judge.read(io.BytesIO(stream), stop=lambda: None, killed=lambda: True, staging=REPORT.staging)
     judge.finish(-9, _deadline(17.5))
     assert (v.status, v.failing_gate.name) == ("fail", "protocol"), v.to_json()
 
@@ -646,7 +662,7 @@ def test_a_bench_sandbox_that_dies_keeps_only_the_timings_whose_outputs_were_jud
         stream = _baselines_then_loading(judge) + _frame("timing", graph_outputs=0, **FIRST_TIMING)
         if outputs:
             stream += b"".join(_probe_frame(judge, phase, j) for phase in ("timed", "refill") for j in (0, 1))
-        judge.read(io.BytesIO(stream), stop=lambda: None)
+        judge.read(io.BytesIO(stream), stop=lambda: None, staging=REPORT.staging)
         judge.finish(-11, _deadline(None))
         assert (v.status, v.failing_gate.name) == ("crash", "process"), v.to_json()
         assert v.failing_gate.detail.startswith("the candidate's process ended (killed by signal 11) before its "

@@ -2,6 +2,8 @@
 Skipped where CUDA is not available (CI)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_gates import evaluate, free
@@ -124,6 +126,9 @@ def test_a_slots_baselines_are_reused_by_the_next_candidate_timed_as_they_were(o
                      for point in (template.default, {**template.default, "num_warps": 8})]
     for v in (first, second):
         assert v.status == "pass" and v.device["sandbox_start"] == "a fork of the supervisor", v.to_json()
+        # the judge's end of the staging buffer page-locked: its copies to the GPU are DMA
+        assert re.fullmatch(r"\d+ bytes of shared memory, sealed; its first \d+ bytes pinned", v.device["staging"]), \
+            v.device
     assert first.baselines["source"] == "timed"
     if op_name == "rmsnorm":
         assert second.baselines["source"] == "cached", second.baselines

@@ -213,3 +213,31 @@ def test_a_candidates_cuda_state_never_reaches_the_next_on_a_gpu():
     assert second.status == "pass", second.to_json()
     both = on_gpu(source("leaves_cuda_state") + "\n" + source("finds_cuda_state"))
     assert (both.status, both.failing_gate.name) == ("fail", "accuracy"), both.to_json()
+
+
+def test_the_staging_buffer_holds_every_stage_of_the_session_or_the_stage_is_the_harness_s_crash(tmp_path):
+    """The supervisor sizes the staging buffer, once, before the sandbox's first request, for one
+    call's outputs at the largest shape of the session's first stage and of its bench stage, and
+    seals that size; a later stage whose outputs could need more is refused as the harness's
+    fault, before the sandbox is asked to run it, rather than left to fail in the sandbox."""
+    from dataclasses import replace
+
+    from contract.job import Shape
+
+    jobs = jobs_for(Candidate("rmsnorm", "free", source=source("finds_state"), origin="test"), TARGET, CPU_SLOT)
+    hidden = jobs["check"].shapes[0].dims["hidden"]
+    jobs["check"] = replace(jobs["check"], odd_shapes=[*jobs["check"].odd_shapes,
+                                                       Shape("wide_4096", {"tokens": 4096, "hidden": hidden})])
+    proc, channel = _session(tmp_path, jobs)
+    try:
+        compiled = _ask(channel, "compile")
+        assert compiled.status == "pass", compiled.to_json()
+        size = int(re.fullmatch(r"(\d+) bytes of shared memory, sealed", compiled.device["staging"]).group(1))
+        checked = _ask(channel, "check")
+        assert (checked.status, checked.failing_gate.name) == ("crash", "harness"), checked.to_json()
+        assert re.fullmatch(rf"the check stage's outputs may take \d+ bytes a call; the session's staging buffer "
+                            rf"holds {size}", checked.failing_gate.detail), checked.failing_gate.detail
+        assert proc.wait(60) == 0  # the session ended
+    finally:
+        channel.close()
+        proc.kill()

@@ -220,34 +220,37 @@ def test_calls_on_refilled_inputs_are_kept_only_as_refilled(clock):
             assert torch.equal(out, (fresh[0] if c == timed.refilled else own[c % 3]) * 2), c
 
 
-def test_outputs_cross_the_channel_bit_for_bit_and_a_cut_payload_is_named():
-    """The sandbox's Sender writes each tensor from its own memory, the judge reads it straight
-    into the buffer its tensor is made of: the same bits arrive, larger than a pipe holds, in any
-    dtype; a payload the stream ends inside is a CutOff."""
+def test_outputs_cross_the_staging_buffer_bit_for_bit_and_only_a_header_line_crosses_the_pipe():
+    """The sandbox's Sender copies each tensor into the staging buffer and writes one header line
+    that says where it lies; the judge copies it out into memory of its own: the same bits arrive,
+    in any dtype, larger than a pipe holds, and nothing but the header crosses the pipe. The
+    judge's copies stay as they were when the buffer is written again. A header the stream ends
+    inside is a CutOff."""
     import io
     import os
-    import threading
 
-    from harness.channel import CutOff, Sender, read_frame
+    from harness.channel import CutOff, Sender, Stager, Staging, read_frame, staging_size
 
     big = torch.randn(3, 100_000).to(torch.bfloat16)  # 600 KB: more than a pipe's buffer
     sent = (big, torch.arange(7, dtype=torch.int32), torch.empty(0), torch.tensor(2.5, dtype=torch.float64))
+    staging = Staging(os.memfd_create("test-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING),
+                      staging_size(sum(t.numel() * t.element_size() for t in sent), len(sent)))
     r, w = os.pipe()
-    sender = Sender(w)
-    writer = threading.Thread(target=lambda: (sender.send("outputs", sent, item="check/0"), sender._f.close()))
-    writer.start()
+    sender = Sender(w, Stager(staging.fd))
+    sender.send("outputs", sent, item="check/0")
+    sender._f.close()
     with io.BufferedReader(io.FileIO(r, "rb")) as stream:
-        header, got = read_frame(stream, 1 << 24)
-        assert read_frame(stream, 1 << 24) is None
-    writer.join()
+        line = stream.peek(1 << 16)
+        assert line.count(b"\n") == 1 and line.endswith(b"\n") and len(line) < 1000
+        header, got = read_frame(stream, staging)
+        assert read_frame(stream, staging) is None
     assert header["item"] == "check/0" and len(got) == len(sent)
     for a, b in zip(sent, got):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    whole = io.BytesIO()
-    whole.write(b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "nbytes": [16]}\n' + b"\0" * 9)
-    whole.seek(0)
+    sender.stager.view.fill_(0)  # the buffer reused: the judge's copies are its own
+    assert torch.equal(got[0], big) and got[3].item() == 2.5
     with pytest.raises(CutOff):
-        read_frame(whole, 1 << 10)
+        read_frame(io.BytesIO(b'{"kind": "outputs", "tensors": [{"dtype": "float32", "shape": [4]}], "nb'), staging)
 
 
 def test_the_judge_counts_what_is_not_finite_and_measures_the_error_in_float64():
