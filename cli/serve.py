@@ -151,6 +151,19 @@ def _kernels(path: str | None) -> dict:
     return {op: {k: v for k, v in vars(spec).items() if v} for op, spec in specs.items()}
 
 
+def _image_kernels(path: str) -> None:
+    """Refuses a kernels file the SAM 3 engine would refuse (missing, not JSON, an op it has not, a
+    free kernel's file missing), in one line, before any server starts."""
+    from engine_templates.engine.config import EngineSetupError
+    from engine_templates.engine.kernels import parse_kernels_file
+    from engine_templates.sam3_engine.ops import SAM3_OPS
+
+    try:
+        parse_kernels_file(Path(path), SAM3_OPS)
+    except EngineSetupError as e:
+        raise UsageError(str(e)) from None
+
+
 def _serve_errors():
     from contract.serve import AIPerfError, ServerError
     from gpu_pool.health import HostFault
@@ -251,8 +264,8 @@ def _serve_bench_images(args, target) -> int:
             raise UsageError(f"{option} is an option of the text stage; {target.model} is a vision model ({why})")
     serving = image_settings(args)
     pool, slots = pool_with(args.pool, target.gpu_class)
-    if args.kernels and not Path(args.kernels).is_file():
-        raise UsageError(f"no kernels file {args.kernels}")
+    if args.kernels:
+        _image_kernels(args.kernels)
     model_dir = _image_model_dir(args.model_dir, slots)
     from flows.optimize_engine import serve_bench_images
 

@@ -109,11 +109,26 @@ def test_serve_bench_runs_the_image_stage_and_logs_it_to_mlflow(prefect_server, 
     (["--reference-model-dir", "/m"], "--reference-model-dir is an option of the text stage"),
     (["--dtype", "fp8"], "--dtype fp8 is an option of the text stage"),
     (["--patterns", "c9"], "no traffic pattern c9; the image stage has c2"),
-    (["--kernels", "/no/such/kernels.json"], "no kernels file /no/such/kernels.json"),
+    (["--kernels", "/no/such/kernels.json"], "cannot read kernels file /no/such/kernels.json"),
 ])
 def test_text_stage_options_on_a_vision_target_are_one_line_and_exit_2(checkpoint, serving, capsys, extra, says):
     assert main(["serve-bench", "--model-dir", str(checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
                  *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"\x89PNG\r\n\x1a\n\xff\xfe", "not a text file (not UTF-8)"),
+    (b"{\"layernorm\": ", "not valid JSON"),
+    (b'{"rmsnorm": {"impl": "eager"}}', "rmsnorm: not an op the engine uses (layernorm, gelu"),
+])
+def test_a_kernels_file_the_sam3_engine_would_refuse_is_one_line_before_any_server(tmp_path, checkpoint, serving,
+                                                                                    capsys, content, says):
+    kernels = tmp_path / "kernels.json"
+    kernels.write_bytes(content)
+    assert main(["serve-bench", "--model-dir", str(checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
+                 "--kernels", str(kernels)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
 
