@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import threading
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 USAGE_ERROR = 2
 
@@ -159,12 +160,25 @@ _PREFECT_MODELS_WHOLE = threading.Event()
 _PREFECT_MODELS_WHOLE.set()
 
 
-def prefect_early() -> Callable[[], None]:
+@contextlib.contextmanager
+def _without_heartbeats() -> Iterator[None]:
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def prefect_early() -> Callable[[], ContextManager[None]]:
     """Start Prefect's ephemeral API server now, in the background, when the flow will run on one:
     its process starts while this one imports the flows and opens the tracking store, rather than
-    after. Returns the wait for it, to call before the flow starts (which would otherwise start
-    a second one); the wait raises what starting it raised."""
+    after. Returns the wait for it: a context manager for the flow to run in (which would otherwise
+    start a second server); the wait raises what starting it raised.
+
+    In it, flow runs on the ephemeral server send no heartbeats: they serve to find crashed runs
+    later, and this server ends with the command (Prefect's heartbeat thread sleeps in steps of a
+    second, and the flow's end waits for the step)."""
     failed: list[BaseException] = []
+    ephemeral: list[bool] = []
     # Prefect announces the temporary server as it starts and stops it at exit: started this early,
     # those lines would surround a command's one-line refusal (a store it cannot open). The flow's
     # own lines (its name, the URL to view it at) come from other loggers and stay.
@@ -177,6 +191,7 @@ def prefect_early() -> Callable[[], None]:
             settings = get_current_settings()
             if settings.api.url or not settings.server.ephemeral.enabled:
                 return
+            ephemeral.append(True)
             import prefect.server.database.orm_models  # noqa: F401
         except Exception as e:  # raised again by the wait, in the command's thread
             failed.append(e)
@@ -186,7 +201,13 @@ def prefect_early() -> Callable[[], None]:
         from prefect.server.api.server import SubprocessASGIServer
 
         try:
-            SubprocessASGIServer().start()  # the instance the flow's client finds, already running
+            server = SubprocessASGIServer()  # the instance the flow's client finds, already running
+            server.start()
+            import httpx
+
+            # The server's first request past its health check takes half a second (its API's routes
+            # used for the first time): asked here, beside the command's imports, not in the flow's.
+            httpx.get(f"{server.api_url}/admin/version", timeout=60).raise_for_status()
         except Exception as e:
             failed.append(e)
 
@@ -194,10 +215,13 @@ def prefect_early() -> Callable[[], None]:
     thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
     thread.start()
 
-    def wait() -> None:
+    @contextlib.contextmanager
+    def wait() -> Iterator[None]:
         thread.join()
         if failed:
             raise failed[0]
+        with _without_heartbeats() if ephemeral else contextlib.nullcontext():
+            yield
 
     return wait
 

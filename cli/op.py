@@ -70,8 +70,8 @@ def cmd_evaluate(args) -> int:
     from flows.evaluate_op import evaluate_candidate
 
     open_store()
-    prefect_ready()
-    result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=pool)
+    with prefect_ready():
+        result = evaluate_candidate(op=op.name, source=source, target=target, name=path.name, pool=pool)
     verdict = result["verdict"]
     if args.json:
         print(json.dumps(result, indent=1))
@@ -103,9 +103,9 @@ def cmd_optimize(args) -> int:
     from flows.optimize_op import optimize_op
 
     open_store()
-    prefect_ready()
-    result = optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template, seed=args.seed,
-                         pool=pool, llm=llm, warm_start=args.warm_start)
+    with prefect_ready():
+        result = optimize_op(op=op.name, target=target, proposer=args.proposer, template=args.template,
+                             seed=args.seed, pool=pool, llm=llm, warm_start=args.warm_start)
     if result["endpoint_down"]:
         print(f"infersmith: proposing stopped: {result['endpoint_down']}; the {int(result['candidates'])} "
               f"candidates judged are in MLflow (run {result['parent_run_id']})", file=sys.stderr)

@@ -8,7 +8,6 @@ from prefect import flow
 from contract.job import Candidate
 from engine_templates.ops import get_op
 from flows.approval import decide
-from flows.optimize_op import scope_for
 from gpu_pool.executors import prewarm
 from gpu_pool.leases import ensure_limits
 from gpu_pool.pool import Pool, local_pool
@@ -16,7 +15,7 @@ from targets import Target
 from tasks.evaluate import evaluate, one_line
 from tracking.cost import FlowCost
 from tracking.ledger import Charge
-from tracking.schema import Tracker
+from tracking.schema import RunScope, Tracker
 from tracking.store import TrackingConfig
 
 
@@ -29,7 +28,7 @@ def evaluate_candidate(op: str, source: str, target: Target = Target(), name: st
     candidate = Candidate(op=op, kind="free", source=source, origin=origin)
     pool = pool or local_pool()
     prewarm(pool.slots(target.gpu_class))
-    scope = scope_for(op, target, pool)
+    scope = RunScope.on(op, target, pool.slots(target.gpu_class))  # no search module: no proposer imported
     ensure_limits(pool)
     tracker = Tracker(TrackingConfig.from_env())
     parent = tracker.start_parent("evaluation", scope, f"evaluate {name}",

@@ -253,3 +253,70 @@ def test_a_server_command_may_name_the_hosts_python_and_the_model_length():
     from cli.serve import _check_command
 
     _check_command("{python} -m my_server --port {port} --model {model_dir} --max-len {max_model_len}", "--candidate")
+
+
+EPHEMERAL_FLOW = """
+import os
+from prefect import flow, get_client
+from prefect.settings import get_current_settings
+from cli.args import prefect_early
+
+wait = prefect_early()
+
+@flow
+def probe():
+    with get_client(sync_client=True) as client:
+        client.api_healthcheck()
+        url = str(client.api_url)
+    children = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            children |= {int(pid) for pid in f.read().split()}
+    servers = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"prefect.server.api.server:create_app" in f.read():
+                servers.append(pid)
+    s = get_current_settings()
+    return servers, url, s.api.url, s.flows.heartbeat_frequency
+
+with wait():
+    servers, url, api_url, heartbeat = probe()
+with prefect_early()():  # a second command in this process: the same server
+    again = probe()
+assert again == (servers, url, api_url, heartbeat), again
+from prefect.server.api.server import SubprocessASGIServer
+print(servers, SubprocessASGIServer().server_process.pid, SubprocessASGIServer().port, url, api_url, heartbeat)
+"""
+
+
+def test_the_ephemeral_server_started_early_is_the_one_flow_runs_use_and_stops_at_exit(tmp_path):
+    """prefect_early starts Prefect's ephemeral server in the background; the flow's client finds
+    that one (no second server), the API stays ephemeral (no URL: a held candidate is rejected as
+    before), its flows send no heartbeats, a second command in the process uses it too, and the
+    server's process ends with the command."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env |= {"PREFECT_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", EPHEMERAL_FLOW], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    servers, pid, port, url, api_url, heartbeat = done.stdout.strip().rsplit("\n", 1)[-1].rsplit(" ", 5)
+    assert servers == f"[{pid}]" and url == f"http://127.0.0.1:{port}/api/", done.stdout
+    assert (api_url, heartbeat) == ("None", "None")
+    assert not Path(f"/proc/{pid}").exists()  # stopped and reaped at exit
+
+
+def test_a_refused_evaluate_starts_no_prefect_server(tmp_path):
+    """A candidate refused by its signature is one line before Prefect's server starts."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "INFERSMITH_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "cli", "evaluate", "--op", "rmsnorm", "--model", "tiny",
+                           "--candidate", str(RMS / "wrong_signature.py")], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "prefect").exists()  # Prefect's server would have made its database there

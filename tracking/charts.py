@@ -14,16 +14,26 @@ import math
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.figure import Figure  # no pyplot: no GUI backend, safe in worker threads
-from matplotlib.ticker import MaxNLocator
 from mlflow.entities import Run
 
 from contract.serve import METRICS
 from tracking.history import flags
 from tracking.schema import T, Tracker
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 STAGES = ("eager", "torch.compile", "best candidate")
+
+
+def _figure(width: float) -> Figure:
+    """A figure of its own: no pyplot, so no GUI backend, safe in worker threads. Matplotlib is
+    imported here, when a chart is drawn: the commands that draw none (evaluate) never load it."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, 4.5), layout="constrained")
 
 
 def per_shape(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -78,7 +88,7 @@ def progress_data(runs: list[Run]) -> dict[str, list]:
 
 
 def roofline_chart(title: str, data: dict[str, dict[str, float | None]]) -> Figure:
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    fig = _figure(8)
     ax = fig.add_subplot()
     xs = range(len(STAGES))
     for shape, row in data.items():
@@ -94,7 +104,7 @@ def roofline_chart(title: str, data: dict[str, dict[str, float | None]]) -> Figu
 
 
 def progress_chart(title: str, data: dict[str, list]) -> Figure:
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    fig = _figure(8)
     ax = fig.add_subplot()
     n = range(1, len(data["score"]) + 1)
     for shape in (k for k in data if k not in ("status", "score")):
@@ -110,6 +120,8 @@ def progress_chart(title: str, data: dict[str, list]) -> Figure:
     if failed:
         ax.plot(failed, [0.0] * len(failed), marker="x", linestyle="", color="red", label="failed or crashed")
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    from matplotlib.ticker import MaxNLocator
+
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("candidate (in the order finished)")
     ax.set_ylabel("speed-up over the best baseline")
@@ -129,7 +141,7 @@ def engine_data(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
 
 
 def engine_chart(title: str, data: dict[str, dict[str, float]], margin: float) -> Figure:
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    fig = _figure(9)
     ax = fig.add_subplot()
     names = [m for m in METRICS if any(m in ratios for ratios in data.values())]
     width = 0.8 / max(len(data), 1)

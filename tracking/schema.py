@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -33,6 +34,9 @@ from contract.serve import EngineCandidate
 from contract.verdict import CRASH, Verdict
 from tracking.ledger import Charge
 from tracking.store import TrackingConfig, client, experiment_id
+
+if TYPE_CHECKING:
+    from targets import Target
 
 PENDING = "pending"
 T = "infersmith."  # tag prefix
@@ -71,6 +75,15 @@ class RunScope:
     model: str
     target_key: str
     gpu_class: str
+
+    @classmethod
+    def on(cls, op: str, target: Target, slots: list) -> RunScope:
+        """The scope of the op's runs for the target on these slots (a pool's, gpu_pool.pool.Slot):
+        their GPU class, or "mixed"."""
+        classes = {s.host.gpu_class for s in slots}
+        if not classes:
+            raise ValueError(f"the pool has no host of GPU class {target.gpu_class!r}")
+        return cls(op, target.model, target.key(), classes.pop() if len(classes) == 1 else "mixed")
 
 
 class Tracker:

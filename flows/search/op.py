@@ -34,10 +34,7 @@ from tracking.store import TrackingConfig
 
 
 def scope_for(op: str, target: Target, pool: Pool) -> RunScope:
-    classes = {s.host.gpu_class for s in pool.slots(target.gpu_class)}
-    if not classes:
-        raise ValueError(f"the pool has no host of GPU class {target.gpu_class!r}")
-    return RunScope(op, target.model, target.key(), classes.pop() if len(classes) == 1 else "mixed")
+    return RunScope.on(op, target, pool.slots(target.gpu_class))
 
 
 def flow_seed(seed: int) -> int:
