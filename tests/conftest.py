@@ -40,6 +40,16 @@ def prefect_server():
         yield
 
 
+@pytest.fixture(scope="session")
+def sam3_checkpoint(tmp_path_factory) -> Path:
+    """The sam3-tiny preset's random checkpoint, drawn on the CPU once a test session."""
+    from engine_templates.engine.random_checkpoint import write_random_checkpoint
+
+    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
+    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
+    return out
+
+
 def last_flow_log() -> str:
     """The lines the latest flow run logged (its prints), as Prefect's server holds them."""
     from prefect.client.orchestration import get_client

@@ -11,7 +11,6 @@ import torch
 
 from contract.images import ImageAccuracyRules
 from engine_templates.engine.config import KernelSpec
-from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from engine_templates.sam3_engine.images import PromptTokenizer, decode_image, pixel_values, reply
 from engine_templates.sam3_engine.model import Image, Sam3Engine, load_model, split
 from engine_templates.sam3_engine.ops import Sam3Kernels
@@ -24,17 +23,10 @@ RULES = ImageAccuracyRules(held_out=3, prompts_per_image=3)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
-    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
+def reference(sam3_checkpoint):
     """transformers' model in float32, called as a user calls it: one image and prompt a forward."""
-    model = load_model(checkpoint, "fp32", "cpu", attention="eager")
-    tok = PromptTokenizer(checkpoint, 0)
+    model = load_model(sam3_checkpoint, "fp32", "cpu", attention="eager")
+    tok = PromptTokenizer(sam3_checkpoint, 0)
 
     def answer(image: Image):
         outs = []
@@ -65,13 +57,13 @@ def _answers(answer_images, held_out, raw_queries=None) -> list[dict]:
     return answers
 
 
-def _engine(checkpoint, dtype="fp32", **kernels) -> Sam3Engine:
+def _engine(sam3_checkpoint, dtype="fp32", **kernels) -> Sam3Engine:
     specs = {op: KernelSpec(impl="free", path=str(CANDIDATES / f"{name}.py")) for op, name in kernels.items()}
-    return Sam3Engine(checkpoint, dtype, "cpu", Sam3Kernels(specs))
+    return Sam3Engine(sam3_checkpoint, dtype, "cpu", Sam3Kernels(specs))
 
 
-def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference):
-    engine = _engine(checkpoint)
+def test_engine_masks_boxes_and_scores_match_transformers(sam3_checkpoint, reference):
+    engine = _engine(sam3_checkpoint)
     held = _held_out()
     images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in held]
     got = engine.segment(images)  # every image and prompt in one batched step
@@ -86,7 +78,7 @@ def test_engine_masks_boxes_and_scores_match_transformers(checkpoint, reference)
     assert 0.05 < (logits.abs() > RULES.mask_margin).float().mean() < 0.95
 
 
-def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint, reference):
+def test_the_registry_templates_match_transformers_and_pass_the_gate(sam3_checkpoint, reference):
     """templates.json: layernorm, gelu and vision_attention as the op registry's Triton templates
     (the interpreter on a CPU) at their default points; the engine's answers stay within the
     tolerance of the eager engine above, and the gate passes them."""
@@ -102,28 +94,28 @@ def test_the_registry_templates_match_transformers_and_pass_the_gate(checkpoint,
             assert choice["point"] == OPS[op].templates[choice["template"]].default, op
     held = _held_out()
     images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in held]
-    got = Sam3Engine(checkpoint, "fp32", "cpu", kernels).segment(images)
+    got = Sam3Engine(sam3_checkpoint, "fp32", "cpu", kernels).segment(images)
     for image, outs in zip(images, got):
         for mine, theirs in zip(outs, reference(image)):
             assert torch.allclose(mine.scores, theirs.scores, atol=1e-5)
             assert torch.allclose(mine.boxes, theirs.boxes, atol=1e-5)
             assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
     expected = _answers(lambda images: [reference(im) for im in images], held)
-    passed, detail, _ = judge(_answers(Sam3Engine(checkpoint, "bf16", "cpu", kernels).segment, held, expected),
+    passed, detail, _ = judge(_answers(Sam3Engine(sam3_checkpoint, "bf16", "cpu", kernels).segment, held, expected),
                               expected, RULES)
     assert passed, detail
 
 
-def test_the_reference_ops_match_transformers(checkpoint, reference):
+def test_the_reference_ops_match_transformers(sam3_checkpoint, reference):
     specs = {op: KernelSpec(impl="reference") for op in ("layernorm", "gelu", "vision_attention", "vision_linear")}
-    engine = Sam3Engine(checkpoint, "fp32", "cpu", Sam3Kernels(specs))
+    engine = Sam3Engine(sam3_checkpoint, "fp32", "cpu", Sam3Kernels(specs))
     image = Image(pixel_values(decode_image(_held_out()[0][0]), SIZE), ["a cat", "a red dog"])
     for mine, theirs in zip(engine.segment([image])[0], reference(image)):
         assert torch.allclose(mine.mask_logits, theirs.mask_logits, atol=1e-4)
 
 
-def test_prompt_embeddings_are_cached_per_prompt(checkpoint):
-    engine = _engine(checkpoint)
+def test_prompt_embeddings_are_cached_per_prompt(sam3_checkpoint):
+    engine = _engine(sam3_checkpoint)
     pixels = pixel_values(decode_image(_held_out()[0][0]), SIZE)
     first = engine.segment([Image(pixels, ["a cat", "a dog"])])
     assert (engine.cache.hits, engine.cache.misses) == (0, 2)
@@ -133,10 +125,10 @@ def test_prompt_embeddings_are_cached_per_prompt(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_gate_passes_the_honest_engine(checkpoint, reference, dtype):
+def test_gate_passes_the_honest_engine(sam3_checkpoint, reference, dtype):
     held = _held_out()
     expected = _answers(lambda images: [reference(im) for im in images], held)
-    engine = _engine(checkpoint, dtype)
+    engine = _engine(sam3_checkpoint, dtype)
     got = _answers(engine.segment, held, expected)
     passed, detail, metrics = judge(got, expected, RULES)
     assert passed, detail
@@ -145,19 +137,19 @@ def test_gate_passes_the_honest_engine(checkpoint, reference, dtype):
 
 @pytest.mark.parametrize("kernels, words", [({"vision_attention": "transposed_positions"}, "query"),
                                             ({"attention": "dropped_prompt"}, "prompt")])
-def test_gate_fails_a_planted_kernel_error(checkpoint, reference, kernels, words):
+def test_gate_fails_a_planted_kernel_error(sam3_checkpoint, reference, kernels, words):
     held = _held_out()
     expected = _answers(lambda images: [reference(im) for im in images], held)
-    got = _answers(_engine(checkpoint, **kernels).segment, held, expected)
+    got = _answers(_engine(sam3_checkpoint, **kernels).segment, held, expected)
     passed, detail, _ = judge(got, expected, RULES)
     assert not passed and words in detail, detail
 
 
-def test_dropped_prompt_is_right_with_one_prompt_so_the_gate_needs_several(checkpoint, reference):
+def test_dropped_prompt_is_right_with_one_prompt_so_the_gate_needs_several(sam3_checkpoint, reference):
     one = ImageAccuracyRules(held_out=1, prompts_per_image=1)
     held = image_set(one, random.Random(3))
     expected = _answers(lambda images: [reference(im) for im in images], held)
-    got = _answers(_engine(checkpoint, attention="dropped_prompt").segment, held, expected)
+    got = _answers(_engine(sam3_checkpoint, attention="dropped_prompt").segment, held, expected)
     assert judge(got, expected, one)[0]
 
 
@@ -192,7 +184,7 @@ def _set_logits(raw: dict, fn) -> None:
     raw["mask_logits"] = base64.b64encode(logits.astype("<f4").tobytes()).decode()
 
 
-def test_every_check_of_the_gate_fails_its_own_error(checkpoint, reference):
+def test_every_check_of_the_gate_fails_its_own_error(sam3_checkpoint, reference):
     held = _held_out()
     expected = _answers(lambda images: [reference(im) for im in images], held)
     assert judge(expected, expected, RULES)[0]
@@ -243,24 +235,24 @@ def _queued(batcher, images: list[Image]):
     return asyncio.run(go())
 
 
-def test_requests_that_arrive_together_are_one_step(checkpoint):
+def test_requests_that_arrive_together_are_one_step(sam3_checkpoint):
     from engine_templates.sam3_engine.server import Batcher
 
-    engine = _engine(checkpoint)
+    engine = _engine(sam3_checkpoint)
     images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in _held_out()]
     batcher = Batcher(engine, max_images=2)
     outs = _queued(batcher, images)
     assert (batcher.steps, batcher.images, engine.largest_batch) == (2, 3, 2)  # 3 images, at most 2 a step
-    alone = [_engine(checkpoint).segment([im])[0] for im in images]
+    alone = [_engine(sam3_checkpoint).segment([im])[0] for im in images]
     for got, want in zip(outs, alone):
         assert [torch.allclose(g.mask_logits, w.mask_logits, atol=1e-4) for g, w in zip(got, want)] == \
             [True] * len(want)
 
 
-def test_a_failed_step_is_retried_request_by_request(checkpoint):
+def test_a_failed_step_is_retried_request_by_request(sam3_checkpoint):
     from engine_templates.sam3_engine.server import Batcher
 
-    engine = _engine(checkpoint, vision_attention="no_batches")
+    engine = _engine(sam3_checkpoint, vision_attention="no_batches")
     images = [Image(pixel_values(decode_image(b), SIZE), prompts) for b, prompts in _held_out()]
     batcher = Batcher(engine, max_images=8)
     outs = _queued(batcher, images)

@@ -15,22 +15,14 @@ from pathlib import Path
 import pytest
 
 from contract.images import ImageAccuracyRules, ImagePattern, ImageServeJob
-from engine_templates.engine.random_checkpoint import write_random_checkpoint
 from harness.serve.images import draw_image, engine_argv, reference_side, serve_images
 from harness.serve.server import ServerProcess, free_ports
 
 CANDIDATES = Path(__file__).parent / "sam3_candidates"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
-    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
-    return out
-
-
-def _job(checkpoint: Path, patterns=()) -> ImageServeJob:
-    return ImageServeJob(model_dir=checkpoint, dtype="fp32", device="cpu", env={"CUDA_VISIBLE_DEVICES": ""},
+def _job(sam3_checkpoint: Path, patterns=()) -> ImageServeJob:
+    return ImageServeJob(model_dir=sam3_checkpoint, dtype="fp32", device="cpu", env={"CUDA_VISIBLE_DEVICES": ""},
                          patterns=tuple(patterns), accuracy=ImageAccuracyRules(held_out=2, prompts_per_image=3),
                          margin=-0.99, start_timeout_s=120, pattern_timeout_s=120, python=sys.executable)
 
@@ -53,8 +45,8 @@ def _huge_png() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_bad_input_is_a_clear_400_and_nothing_else_is_lost(checkpoint, tmp_path):
-    job = _job(checkpoint)
+def test_bad_input_is_a_clear_400_and_nothing_else_is_lost(sam3_checkpoint, tmp_path):
+    job = _job(sam3_checkpoint)
     port = free_ports(1)[0]
     with ServerProcess("engine", engine_argv(job, port), tmp_path / "server.log", job.env, port) as server:
         server.start(120)
@@ -85,10 +77,10 @@ def test_bad_input_is_a_clear_400_and_nothing_else_is_lost(checkpoint, tmp_path)
             assert json.loads(r.read())["requests"] == 2
 
 
-def test_image_stage_end_to_end_with_aiperf(checkpoint, tmp_path):
+def test_image_stage_end_to_end_with_aiperf(sam3_checkpoint, tmp_path):
     """Reference answers and baseline, the candidate engine judged and loaded by AIPerf on
     loopback, the all-metrics gate; a planted kernel fails the accuracy gate before any load."""
-    job = _job(checkpoint, [ImagePattern("c2_prompts2", concurrency=2, request_count=8, warmup_requests=1,
+    job = _job(sam3_checkpoint, [ImagePattern("c2_prompts2", concurrency=2, request_count=8, warmup_requests=1,
                                          prompts_per_image=2, image_size=64)])
     images, expected, baseline = reference_side(job, tmp_path / "reference", random.Random(5))
     result = serve_images(job, "honest", lambda port: engine_argv(job, port), tmp_path / "honest", images, expected,
@@ -112,7 +104,7 @@ def test_image_stage_end_to_end_with_aiperf(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["unknown op", "bad impl", "no model dir", "a text model", "port taken"])
-def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case):
+def test_setup_errors_are_one_line_and_exit_2(sam3_checkpoint, tmp_path, capsys, case):
     import socket
 
     from engine_templates.sam3_engine.__main__ import main
@@ -127,13 +119,13 @@ def test_setup_errors_are_one_line_and_exit_2(checkpoint, tmp_path, capsys, case
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
-    argv = {"unknown op": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
+    argv = {"unknown op": ["serve", "--model-dir", str(sam3_checkpoint), "--device", "cpu", "--port", "0",
                            "--kernels", str(kernels)],
-            "bad impl": ["serve", "--model-dir", str(checkpoint), "--device", "cpu", "--port", "0",
+            "bad impl": ["serve", "--model-dir", str(sam3_checkpoint), "--device", "cpu", "--port", "0",
                          "--kernels", str(kernels)],
             "no model dir": ["serve", "--model-dir", str(tmp_path / "nothing"), "--device", "cpu"],
             "a text model": ["serve", "--model-dir", str(text_model), "--device", "cpu"],
-            "port taken": ["serve-reference", "--model-dir", str(checkpoint), "--device", "cpu",
+            "port taken": ["serve-reference", "--model-dir", str(sam3_checkpoint), "--device", "cpu",
                            "--port", str(held.getsockname()[1])]}[case]
     try:
         assert main(argv) == 2

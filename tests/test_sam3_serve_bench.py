@@ -16,20 +16,12 @@ import yaml
 from loopback_sshd import loopback_hosts
 
 from cli.main import main
-from engine_templates.engine.random_checkpoint import write_random_checkpoint
 
 CANDIDATES = Path(__file__).parent / "sam3_candidates"
 # One small pattern: AIPerf's own start-up dominates; margin -99%: a CPU's speed is not judged here.
 SERVING = {"traffic": [{"name": "c2", "concurrency": 2, "request_count": 6, "warmup_requests": 1,
                         "prompts_per_image": 2, "image_size": 64}],
            "accuracy": {"held_out": 2, "prompts_per_image": 2}, "margin": -0.99}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sam3") / "sam3-tiny"
-    write_random_checkpoint("sam3-tiny", out, device="cpu", log=lambda _: None)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +42,20 @@ def pool_host(tmp_path_factory):
         yield host, pool_file
 
 
-def bench(checkpoint, serving, *extra) -> tuple[int, str]:
+def bench(sam3_checkpoint, serving, *extra) -> tuple[int, str]:
     # stdout only: Prefect's log handler keeps the stderr it first saw
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        code = main(["serve-bench", "--model-dir", str(checkpoint), "--model", "sam3-tiny", "--dtype", "fp32",
+        code = main(["serve-bench", "--model-dir", str(sam3_checkpoint), "--model", "sam3-tiny", "--dtype", "fp32",
                      "--serving", str(serving), "--json", *extra])
     return code, out.getvalue()
 
 
-def test_serve_bench_runs_the_image_stage_and_logs_it_to_mlflow(prefect_server, tracking_home, checkpoint, serving,
+def test_serve_bench_runs_the_image_stage_and_logs_it_to_mlflow(prefect_server, tracking_home, sam3_checkpoint, serving,
                                                                  tmp_path):
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
 
-    code, out = bench(checkpoint, serving)
+    code, out = bench(sam3_checkpoint, serving)
     result = json.loads(out)
     assert [g["name"] for g in result["gates"]] == ["accuracy", "all_metrics"], result["gates"]
     assert all(g["passed"] for g in result["gates"]) and result["verdict"] == "pass" and code == 0, result
@@ -93,7 +85,7 @@ def test_serve_bench_runs_the_image_stage_and_logs_it_to_mlflow(prefect_server, 
     # the kernels file reaches the engine: an attention that drops a prompt fails before any load
     kernels = tmp_path / "kernels.json"
     kernels.write_text(json.dumps({"attention": {"impl": "free", "path": str(CANDIDATES / "dropped_prompt.py")}}))
-    code, out = bench(checkpoint, serving, "--kernels", str(kernels))
+    code, out = bench(sam3_checkpoint, serving, "--kernels", str(kernels))
     bad = json.loads(out)
     assert code == 1 and bad["verdict"] == "fail" and bad["gates"][-1]["name"] == "accuracy", bad
     bad_run = client.get_run(bad["run_id"])
@@ -111,8 +103,8 @@ def test_serve_bench_runs_the_image_stage_and_logs_it_to_mlflow(prefect_server, 
     (["--patterns", "c9"], "no traffic pattern c9; the image stage has c2"),
     (["--kernels", "/no/such/kernels.json"], "cannot read kernels file /no/such/kernels.json"),
 ])
-def test_text_stage_options_on_a_vision_target_are_one_line_and_exit_2(checkpoint, serving, capsys, extra, says):
-    assert main(["serve-bench", "--model-dir", str(checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
+def test_text_stage_options_on_a_vision_target_are_one_line_and_exit_2(sam3_checkpoint, serving, capsys, extra, says):
+    assert main(["serve-bench", "--model-dir", str(sam3_checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
                  *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
@@ -123,17 +115,17 @@ def test_text_stage_options_on_a_vision_target_are_one_line_and_exit_2(checkpoin
     (b"{\"layernorm\": ", "not valid JSON"),
     (b'{"rmsnorm": {"impl": "eager"}}', "rmsnorm: not an op the engine uses (layernorm, gelu"),
 ])
-def test_a_kernels_file_the_sam3_engine_would_refuse_is_one_line_before_any_server(tmp_path, checkpoint, serving,
+def test_a_kernels_file_the_sam3_engine_would_refuse_is_one_line_before_any_server(tmp_path, sam3_checkpoint, serving,
                                                                                     capsys, content, says):
     kernels = tmp_path / "kernels.json"
     kernels.write_bytes(content)
-    assert main(["serve-bench", "--model-dir", str(checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
+    assert main(["serve-bench", "--model-dir", str(sam3_checkpoint), "--model", "sam3-tiny", "--serving", str(serving),
                  "--kernels", str(kernels)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
 
 
-def test_a_text_checkpoint_for_a_vision_target_and_optimize_engine_on_one_are_one_line(tmp_path, checkpoint, capsys,
+def test_a_text_checkpoint_for_a_vision_target_and_optimize_engine_on_one_are_one_line(tmp_path, sam3_checkpoint, capsys,
                                                                                       serving):
     from tiny_checkpoints import checkpoint as text_checkpoint
 
@@ -144,12 +136,12 @@ def test_a_text_checkpoint_for_a_vision_target_and_optimize_engine_on_one_are_on
                  "--serving", str(serving)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a serving file of the image stage; tiny is a text model" in err, err
-    assert main(["optimize-engine", "--model-dir", str(checkpoint)]) == 2  # --model read from the checkpoint
+    assert main(["optimize-engine", "--model-dir", str(sam3_checkpoint)]) == 2  # --model read from the checkpoint
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "optimize-engine searches the text engine" in err, err
 
 
-def test_the_image_stage_on_a_pool_host_over_ssh_is_judged_here_and_logged(prefect_server, tracking_home, checkpoint,
+def test_the_image_stage_on_a_pool_host_over_ssh_is_judged_here_and_logged(prefect_server, tracking_home, sam3_checkpoint,
                                                                             serving, pool_host, tmp_path):
     from tracking.schema import Tracker
     from tracking.store import TrackingConfig
@@ -160,7 +152,7 @@ def test_the_image_stage_on_a_pool_host_over_ssh_is_judged_here_and_logged(prefe
     (tmp_path / "gelu.py").write_text(gelu)
     kernels = tmp_path / "kernels.json"
     kernels.write_text(json.dumps({"gelu": {"impl": "free", "path": "gelu.py"}}))
-    code, out = bench(checkpoint, serving, "--pool", str(pool_file), "--kernels", str(kernels))
+    code, out = bench(sam3_checkpoint, serving, "--pool", str(pool_file), "--kernels", str(kernels))
     result = json.loads(out)
     accuracy, all_metrics = result["gates"]
     assert accuracy["name"] == "accuracy" and all_metrics["name"] == "all_metrics", result["gates"]
@@ -193,7 +185,7 @@ def test_the_image_stage_on_a_pool_host_over_ssh_is_judged_here_and_logged(prefe
     # a planted kernel (an absolute path) reaches the engine on the host and fails before any load
     bad_kernels = tmp_path / "bad.json"
     bad_kernels.write_text(json.dumps({"attention": {"impl": "free", "path": str(CANDIDATES / "dropped_prompt.py")}}))
-    code, out = bench(checkpoint, serving, "--pool", str(pool_file), "--kernels", str(bad_kernels))
+    code, out = bench(sam3_checkpoint, serving, "--pool", str(pool_file), "--kernels", str(bad_kernels))
     bad = json.loads(out)
     assert code == 1 and bad["verdict"] == "fail" and [g["name"] for g in bad["gates"]] == ["accuracy"], bad
     assert bad["gates"][0]["detail"].startswith("image "), bad["gates"][0]  # named by the controller's judge
@@ -202,7 +194,7 @@ def test_the_image_stage_on_a_pool_host_over_ssh_is_judged_here_and_logged(prefe
     assert client.get_run(bad["run_id"]).data.tags["infersmith.status"] == "fail"
 
 
-def test_a_host_without_the_checkpoint_is_one_line(pool_host, checkpoint, capsys, tmp_path):
+def test_a_host_without_the_checkpoint_is_one_line(pool_host, sam3_checkpoint, capsys, tmp_path):
     from tiny_checkpoints import checkpoint as text_checkpoint
 
     from gpu_pool.pool import Pool
@@ -229,7 +221,7 @@ def test_a_host_without_the_checkpoint_is_one_line(pool_host, checkpoint, capsys
     assert "\n" not in str(e.value)
 
 
-def test_a_host_dropping_mid_session_is_a_host_fault_and_a_reference_never_up_the_runs_error(checkpoint, tmp_path):
+def test_a_host_dropping_mid_session_is_a_host_fault_and_a_reference_never_up_the_runs_error(sam3_checkpoint, tmp_path):
     """The host's sshd dies once the reference server starts there: a HostFault (which the dispatch
     benches and retries elsewhere), not a hang. On a host that stays, a reference that does not
     answer within its start timeout is the run's error, in its words, and leaves nothing there."""
@@ -246,7 +238,7 @@ def test_a_host_dropping_mid_session_is_a_host_fault_and_a_reference_never_up_th
 
     with loopback_hosts(tmp_path / "ssh", ("steady", "doomed")) as loop:
         steady, doomed = (Pool(hosts=[loop.host(s)]).slots()[0] for s in loop.servers)
-        job = image_job(Target(model="sam3-tiny"), SERVING, checkpoint, doomed)
+        job = image_job(Target(model="sam3-tiny"), SERVING, sam3_checkpoint, doomed)
         with pytest.raises(ServerError, match=r"^on steady:.*reference server did not answer /v1/models within 0.5 s"):
             SSHImages([steady]).stage(replace(job, start_timeout_s=0.5), None, tmp_path / "never")
         assert "Traceback" not in (tmp_path / "never" / "reference" / "worker.log").read_text()
