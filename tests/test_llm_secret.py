@@ -59,8 +59,12 @@ def worker(prefect_server, tmp_path, monkeypatch):
     try:
         yield home, out
     finally:
-        proc.terminate()
-        proc.wait(60)
+        proc.terminate()  # Prefect's worker: a first SIGTERM asks it to stop gracefully
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # its graceful stop hung once on two loaded cores, after
+            proc.kill()  # the test had passed: the worker is Prefect's, and only cleaned up here
+            proc.wait()
 
 
 def run(name: str, parameters: dict):

@@ -22,8 +22,10 @@ CANDIDATES = Path(__file__).parent / "sam3_candidates"
 
 
 def _job(sam3_checkpoint: Path, patterns=()) -> ImageServeJob:
+    # float32 on both sides: 0.5% of the largest |logit|, not bf16's 4%, so that a dropped prompt of
+    # the random checkpoint fails on whichever images are drawn (tests/test_sam3_serve_bench.py)
     return ImageServeJob(model_dir=sam3_checkpoint, dtype="fp32", device="cpu", env={"CUDA_VISIBLE_DEVICES": ""},
-                         patterns=tuple(patterns), accuracy=ImageAccuracyRules(held_out=2, prompts_per_image=3),
+                         patterns=tuple(patterns), accuracy=ImageAccuracyRules(held_out=2, prompts_per_image=3, logit_rtol=0.005),
                          margin=-0.99, start_timeout_s=120, pattern_timeout_s=120, python=sys.executable)
 
 

@@ -19,9 +19,12 @@ from cli.main import main
 
 CANDIDATES = Path(__file__).parent / "sam3_candidates"
 # One small pattern: AIPerf's own start-up dominates; margin -99%: a CPU's speed is not judged here.
+# Both sides run float32 on the CPU and agree to about 1e-5 of a logit: the default allowance (4% of
+# the largest |logit|, bf16's) would let the random checkpoint's prompts, whose masks differ by little,
+# pass as one another on some of the freshly drawn images. 0.5% catches a dropped prompt on every one.
 SERVING = {"traffic": [{"name": "c2", "concurrency": 2, "request_count": 6, "warmup_requests": 1,
                         "prompts_per_image": 2, "image_size": 64}],
-           "accuracy": {"held_out": 2, "prompts_per_image": 2}, "margin": -0.99}
+           "accuracy": {"held_out": 2, "prompts_per_image": 2, "logit_rtol": 0.005}, "margin": -0.99}
 
 
 @pytest.fixture(scope="module")
