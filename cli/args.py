@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import threading
 from typing import Callable, ContextManager, Iterator
 
@@ -152,67 +151,29 @@ def shapes_fit(op, target) -> None:
         raise UsageError(f"{op.name} on {target.model}: {e}") from None
 
 
-# Set while no thread is importing Prefect's server models. MLflow's SQL store configures every
-# SQLAlchemy mapper of the process when it opens, and a mapper of Prefect's models half-imported in
-# prefect_early's thread then fails ("expression 'FlowRun' failed to locate a name"): open_store
-# waits for this first.
-_PREFECT_MODELS_WHOLE = threading.Event()
-_PREFECT_MODELS_WHOLE.set()
-
-
-@contextlib.contextmanager
-def _without_heartbeats() -> Iterator[None]:
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield
-
-
 def prefect_early() -> Callable[[], ContextManager[None]]:
-    """Start Prefect's ephemeral API server now, in the background, when the flow will run on one:
-    its process starts while this one imports the flows and opens the tracking store, rather than
-    after. Returns the wait for it: a context manager for the flow to run in (which would otherwise
-    start a second server); the wait raises what starting it raised.
+    """Start this command's own Prefect API server now (flows/api_server.py) when no PREFECT_API_URL
+    names one and Prefect may start one: its process imports Prefect's server on the other core
+    while this one imports the flows and opens the tracking store. Returns the wait for it: a
+    context manager for the flow to run in, which raises what starting the server raised.
+    Against a server someone runs, the wait does nothing."""
+    from prefect.settings import get_current_settings
 
-    In it, flow runs on the ephemeral server send no heartbeats: they serve to find crashed runs
-    later, and this server ends with the command (Prefect's heartbeat thread sleeps in steps of a
-    second, and the flow's end waits for the step)."""
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return contextlib.nullcontext
+    from flows import api_server
+
+    server = api_server.start()
     failed: list[BaseException] = []
-    ephemeral: list[bool] = []
-    # Prefect announces the temporary server as it starts and stops it at exit: started this early,
-    # those lines would surround a command's one-line refusal (a store it cannot open). The flow's
-    # own lines (its name, the URL to view it at) come from other loggers and stay.
-    logging.getLogger("prefect").addFilter(lambda r: "temporary server" not in str(r.msg))
 
-    def start() -> None:
+    def ready() -> None:
         try:
-            from prefect.settings import get_current_settings
-
-            settings = get_current_settings()
-            if settings.api.url or not settings.server.ephemeral.enabled:
-                return
-            ephemeral.append(True)
-            import prefect.server.database.orm_models  # noqa: F401
+            server.ready()
         except Exception as e:  # raised again by the wait, in the command's thread
             failed.append(e)
-            return
-        finally:
-            _PREFECT_MODELS_WHOLE.set()
-        from prefect.server.api.server import SubprocessASGIServer
 
-        try:
-            server = SubprocessASGIServer()  # the instance the flow's client finds, already running
-            server.start()
-            import httpx
-
-            # The server's first request past its health check takes half a second (its API's routes
-            # used for the first time): asked here, beside the command's imports, not in the flow's.
-            httpx.get(f"{server.api_url}/admin/version", timeout=60).raise_for_status()
-        except Exception as e:
-            failed.append(e)
-
-    _PREFECT_MODELS_WHOLE.clear()
-    thread = threading.Thread(target=start, name="prefect-api-start", daemon=True)
+    thread = threading.Thread(target=ready, name="prefect-api-start", daemon=True)
     thread.start()
 
     @contextlib.contextmanager
@@ -220,7 +181,7 @@ def prefect_early() -> Callable[[], ContextManager[None]]:
         thread.join()
         if failed:
             raise failed[0]
-        with _without_heartbeats() if ephemeral else contextlib.nullcontext():
+        with api_server.using(server):
             yield
 
     return wait
@@ -233,7 +194,6 @@ def open_store() -> None:
     from object_store import store_from_env
     from tracking.store import TrackingConfig, client
 
-    _PREFECT_MODELS_WHOLE.wait()
     client(TrackingConfig.from_env())
     store = store_from_env()
     if store is not None:

@@ -25,6 +25,7 @@ from pydantic import Field
 
 from contract.job import Candidate
 from contract.verdict import BEYOND_TOLERANCE, Verdict
+from flows import api_server
 from targets import Target
 from tasks.evaluate import Outcome
 from tracking.schema import Tracker
@@ -77,7 +78,8 @@ def _now() -> str:
 def ask(candidate: Candidate, run_id: str, verdict: Verdict, target: Target) -> Decision:
     """Pause this flow run until a person approves or rejects the candidate, or the timeout."""
     why = reason(verdict, target)
-    if get_current_settings().api.url is None:
+    url = get_current_settings().api.url
+    if url is None or api_server.is_own(url):  # Prefect's, or this command's own: no one can reach it
         note = ("the Prefect API is ephemeral, so no one can approve it: run against a Prefect server "
                 "(`prefect server start`, then set PREFECT_API_URL) to approve")
         print(f"{candidate.label} needs a person's approval ({why}); rejected: {note}")

@@ -260,6 +260,7 @@ import os
 from prefect import flow, get_client
 from prefect.settings import get_current_settings
 from cli.args import prefect_early
+from flows import api_server
 
 wait = prefect_early()
 
@@ -275,26 +276,26 @@ def probe():
     servers = []
     for pid in children:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"prefect.server.api.server:create_app" in f.read():
+            if b"flows.api_server:app" in f.read():
                 servers.append(pid)
     s = get_current_settings()
-    return servers, url, s.api.url, s.flows.heartbeat_frequency
+    return servers, url, api_server.is_own(s.api.url), bool(s.ui_url), s.flows.heartbeat_frequency
 
 with wait():
-    servers, url, api_url, heartbeat = probe()
+    servers, url, own, ui, heartbeat = probe()
 with prefect_early()():  # a second command in this process: the same server
     again = probe()
-assert again == (servers, url, api_url, heartbeat), again
-from prefect.server.api.server import SubprocessASGIServer
-print(servers, SubprocessASGIServer().server_process.pid, SubprocessASGIServer().port, url, api_url, heartbeat)
+assert again == (servers, url, own, ui, heartbeat), again
+assert get_current_settings().api.url is None  # set for the command's flows alone
+print(servers, api_server._server.proc.pid, api_server._server.port, url, own, ui, heartbeat)
 """
 
 
-def test_the_ephemeral_server_started_early_is_the_one_flow_runs_use_and_stops_at_exit(tmp_path):
-    """prefect_early starts Prefect's ephemeral server in the background; the flow's client finds
-    that one (no second server), the API stays ephemeral (no URL: a held candidate is rejected as
-    before), its flows send no heartbeats, a second command in the process uses it too, and the
-    server's process ends with the command."""
+def test_the_command_s_own_prefect_server_is_the_one_flow_runs_use_and_stops_at_exit(tmp_path):
+    """prefect_early starts the command's own Prefect API server in the background; the flow's
+    client uses that one (no second server), it counts as no one's (a held candidate is rejected
+    as on Prefect's ephemeral API), its flows send no heartbeats and print no link to a UI it does
+    not serve, a second command in the process uses it too, and its process ends with the command."""
     import os
     from pathlib import Path
 
@@ -303,10 +304,25 @@ def test_the_ephemeral_server_started_early_is_the_one_flow_runs_use_and_stops_a
     done = subprocess.run([sys.executable, "-c", EPHEMERAL_FLOW], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    servers, pid, port, url, api_url, heartbeat = done.stdout.strip().rsplit("\n", 1)[-1].rsplit(" ", 5)
+    servers, pid, port, url, own, ui, heartbeat = done.stdout.strip().rsplit("\n", 1)[-1].rsplit(" ", 6)
     assert servers == f"[{pid}]" and url == f"http://127.0.0.1:{port}/api/", done.stdout
-    assert (api_url, heartbeat) == ("None", "None")
+    assert (own, ui, heartbeat) == ("True", "False", "None")
+    assert "View at" not in done.stderr and (tmp_path / "prefect.db").is_file()  # Prefect's own database
     assert not Path(f"/proc/{pid}").exists()  # stopped and reaped at exit
+
+
+def test_a_server_that_does_not_start_is_one_error_with_what_it_said(tmp_path, monkeypatch):
+    """A command server whose process exits at once (a database it cannot open) raises from the
+    wait, with the last line the server wrote, and leaves no process behind."""
+    from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
+
+    from flows.api_server import CommandServer
+
+    with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db"}):
+        server = CommandServer()
+    with pytest.raises(RuntimeError, match="^Prefect's API server for this command did not start") as e:
+        server.ready(timeout_s=120)
+    assert len(str(e.value).splitlines()) == 1 and server.proc.poll() is not None
 
 
 def test_a_refused_evaluate_starts_no_prefect_server(tmp_path):
