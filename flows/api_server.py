@@ -7,14 +7,19 @@ server's modules into the command's process (1.6 s there). Started here, before 
 imported, the server's process imports them on another core while the command imports its own.
 The listening socket is bound here, on a port the kernel picks, and handed to uvicorn: clients
 may connect at once (they wait in its backlog until the app is up) and no two commands race for
-a port. Flows find the server through PREFECT_API_URL, set for the command's flows alone
-(`using`); `is_own` tells it apart from a server someone runs, where a person could answer.
+a port. The server's process ends when the command's does, however it ends: it stops once its
+stdin, a pipe only the command holds open, reaches its end. Flows find the server through
+PREFECT_API_URL, set for the command's flows alone (`using`); `is_own` tells it apart from a
+server someone runs, where a person could answer.
+
+In its own process: `python -m flows.api_server FD`, FD the listening socket.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,6 +29,8 @@ from pathlib import Path
 from typing import Iterator
 
 STARTUP_TIMEOUT_S = 90.0
+STARTUP_FAILED = 3  # the server's exit code when Prefect's application did not start (as uvicorn's)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def app():
@@ -31,6 +38,26 @@ def app():
     from prefect.server.api.server import create_app
 
     return create_app(ephemeral=True, final=True)
+
+
+def serve(fd: int) -> int:
+    """The server's process: Prefect's application on the inherited socket `fd` until stdin ends.
+    The socket is handed to uvicorn as the TCP socket it is: uvicorn's `--fd` opens any descriptor
+    as a Unix socket, and the TCP connections it accepts then wait on Nagle's algorithm (40 ms a
+    request)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config("flows.api_server:app", factory=True, lifespan="on", log_level="error"))
+
+    def watch_stdin() -> None:
+        # unbuffered: a daemon thread blocked in a buffered read aborts the interpreter's exit
+        while os.read(0, 4096):
+            pass  # the command writes nothing: this ends once its end of the pipe is closed
+        server.should_exit = True
+
+    threading.Thread(target=watch_stdin, name="command-gone", daemon=True).start()
+    server.run(sockets=[socket.socket(fileno=fd)])
+    return 0 if server.started else STARTUP_FAILED
 
 
 class CommandServer:
@@ -45,11 +72,11 @@ class CommandServer:
             sock.listen(128)
             self.port = sock.getsockname()[1]
             env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True)}
-            self.log = tempfile.TemporaryFile()  # what it says: read back only if it fails to start
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(__file__).resolve().parents[1]), "--factory",
-                 f"{__name__}:app", "--fd", str(sock.fileno()), "--log-level", "error", "--lifespan", "on"],
-                pass_fds=(sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            self.log = tempfile.TemporaryFile()  # what it says: read back if it fails to start or dies
+            self.proc = subprocess.Popen([sys.executable, "-m", "flows.api_server", str(sock.fileno())],
+                                         pass_fds=(sock.fileno(),), env=env, stdin=subprocess.PIPE, stdout=self.log,
+                                         stderr=self.log)
         finally:
             sock.close()  # the server's copy listens on: connections wait for it
         self.api_url = f"http://127.0.0.1:{self.port}/api"
@@ -67,19 +94,36 @@ class CommandServer:
                 client.get(f"{self.api_url}/admin/version").raise_for_status()
         except httpx.HTTPError as e:
             self.stop()
-            self.log.seek(0)
-            said = self.log.read().decode(errors="replace").strip().splitlines()
+            said = self.said()
             raise RuntimeError(f"Prefect's API server for this command did not start ({type(e).__name__}: {e})"
-                               + (f": {said[-1]}" if said else "")) from None
+                               + (f": {said}" if said else "")) from None
+
+    def said(self) -> str:
+        """The last error the server wrote (the exception's line, not uvicorn's note that the
+        application did not start), else its last line."""
+        self.log.seek(0)
+        lines = [line.strip() for line in self.log.read().decode(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+        return (errors or lines or [""])[-1]
 
     def stop(self) -> None:
+        """End the server's process; one that had ended on its own with an error says why, on stderr."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.stdin.close()  # its watch ends it; terminate if that does not
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        elif self.proc.returncode not in (0, STARTUP_FAILED) and not self.proc.stdin.closed:
+            print(f"infersmith: Prefect's API server for this command ended with code {self.proc.returncode} "
+                  f"before the command did: {self.said()}", file=sys.stderr)
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
 
 
 _lock = threading.Lock()
@@ -117,3 +161,7 @@ def using(server: CommandServer) -> Iterator[None]:
     with temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_UI_URL: "",
                              PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1])))

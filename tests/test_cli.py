@@ -276,8 +276,9 @@ def probe():
     servers = []
     for pid in children:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"flows.api_server:app" in f.read():
-                servers.append(pid)
+            argv = f.read().split(b"\\0")
+        if b"flows.api_server" in argv or any(b"create_app" in a for a in argv):  # ours, or Prefect's own
+            servers.append(pid)
     s = get_current_settings()
     return servers, url, api_server.is_own(s.api.url), bool(s.ui_url), s.flows.heartbeat_frequency
 
@@ -287,6 +288,14 @@ with prefect_early()():  # a second command in this process: the same server
     again = probe()
 assert again == (servers, url, own, ui, heartbeat), again
 assert get_current_settings().api.url is None  # set for the command's flows alone
+import time
+import httpx
+with httpx.Client() as client:  # a request is answered at once (no 40 ms wait on Nagle's algorithm)
+    client.get(url + "health")
+    start = time.perf_counter()
+    for _ in range(20):
+        client.get(url + "health").raise_for_status()
+    assert (time.perf_counter() - start) / 20 < 0.03, (time.perf_counter() - start) / 20
 print(servers, api_server._server.proc.pid, api_server._server.port, url, own, ui, heartbeat)
 """
 
@@ -311,18 +320,45 @@ def test_the_command_s_own_prefect_server_is_the_one_flow_runs_use_and_stops_at_
     assert not Path(f"/proc/{pid}").exists()  # stopped and reaped at exit
 
 
-def test_a_server_that_does_not_start_is_one_error_with_what_it_said(tmp_path, monkeypatch):
-    """A command server whose process exits at once (a database it cannot open) raises from the
-    wait, with the last line the server wrote, and leaves no process behind."""
+def test_a_server_that_does_not_start_is_one_error_with_what_it_said(tmp_path):
+    """A command server whose application cannot start (a database it cannot open) ends at once
+    with its own exit code, and the wait raises one line that names the cause."""
+    import time
+
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
 
-    from flows.api_server import CommandServer
+    from flows.api_server import STARTUP_FAILED, CommandServer
 
     with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db"}):
         server = CommandServer()
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match="^Prefect's API server for this command did not start") as e:
         server.ready(timeout_s=120)
-    assert len(str(e.value).splitlines()) == 1 and server.proc.poll() is not None
+    assert time.monotonic() - start < 60  # the connection was reset when it ended, not timed out
+    assert len(str(e.value).splitlines()) == 1 and "unable to open database file" in str(e.value), e.value
+    assert server.proc.returncode == STARTUP_FAILED  # it ended by itself: stop() found it gone
+
+
+def test_the_server_ends_with_a_command_killed_outright(tmp_path):
+    """Killed with SIGKILL, the command runs no exit handler: its server ends all the same, when
+    the pipe only the command held reaches its end."""
+    import os
+    import time
+    from pathlib import Path
+
+    script = ("import sys, time\nfrom flows import api_server\ns = api_server.start()\ns.ready()\n"
+              "print(s.proc.pid, flush=True)\ntime.sleep(300)\n")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{server}").exists() and Path(f"/proc/{server}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the server outlived the command killed outright"
+        time.sleep(0.1)
 
 
 def test_a_refused_evaluate_starts_no_prefect_server(tmp_path):
