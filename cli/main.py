@@ -8,6 +8,7 @@ import threading
 
 from cli import engine, gauntlet, kb, mcp, op, platform, pool, rerun, serve, tracking
 from cli.args import USAGE_ERROR, Parser, UsageError
+from flows.api_server import APIServerError
 from object_store import ObjectStoreError
 from tracking.errors import TrackingStoreError
 
@@ -79,7 +80,7 @@ def run(argv: list[str] | None) -> int:
     except UsageError as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return USAGE_ERROR
-    except (TrackingStoreError, ObjectStoreError) as e:
+    except (TrackingStoreError, ObjectStoreError, APIServerError) as e:
         print(f"infersmith: {e}", file=sys.stderr)
         return 1
     except Exception as e:

@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Iterator
 
 STARTUP_TIMEOUT_S = 90.0
+
+
+class APIServerError(RuntimeError):
+    """The command's server did not start: one line for the command to print (cli/main.py)."""
+
 STARTUP_FAILED = 3  # the server's exit code when Prefect's application did not start (as uvicorn's)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +90,7 @@ class CommandServer:
     def ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Wait for its health check, then make its first API request (half a second: the routes'
         first use), so that the flow's first call does not pay it. A server that exits or does not
-        answer in time raises RuntimeError with the end of what it wrote."""
+        answer in time raises APIServerError with the end of what it wrote."""
         import httpx
 
         try:
@@ -95,7 +100,7 @@ class CommandServer:
         except httpx.HTTPError as e:
             self.stop()
             said = self.said()
-            raise RuntimeError(f"Prefect's API server for this command did not start ({type(e).__name__}: {e})"
+            raise APIServerError(f"Prefect's API server for this command did not start ({type(e).__name__}: {e})"
                                + (f": {said}" if said else "")) from None
 
     def said(self) -> str:

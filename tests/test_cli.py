@@ -327,16 +327,29 @@ def test_a_server_that_does_not_start_is_one_error_with_what_it_said(tmp_path):
 
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, temporary_settings
 
-    from flows.api_server import STARTUP_FAILED, CommandServer
+    from flows.api_server import STARTUP_FAILED, APIServerError, CommandServer
 
     with temporary_settings({PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db"}):
         server = CommandServer()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="^Prefect's API server for this command did not start") as e:
+    with pytest.raises(APIServerError, match="^Prefect's API server for this command did not start") as e:
         server.ready(timeout_s=120)
     assert time.monotonic() - start < 60  # the connection was reset when it ended, not timed out
     assert len(str(e.value).splitlines()) == 1 and "unable to open database file" in str(e.value), e.value
     assert server.proc.returncode == STARTUP_FAILED  # it ended by itself: stop() found it gone
+
+    # through the command: that line, exit 1, no traceback
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "INFERSMITH_HOME": str(tmp_path / "home"),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/x.db"}
+    done = subprocess.run([sys.executable, "-m", "cli", "evaluate", "--op", "rmsnorm", "--model", "tiny",
+                           "--candidate", str(RMS / "honest_torch.py")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(
+        "infersmith: Prefect's API server for this command did not start"), done.stderr
+    assert "Traceback" not in done.stderr and "unable to open database file" in done.stderr
 
 
 def test_the_server_ends_with_a_command_killed_outright(tmp_path):
