@@ -59,11 +59,11 @@ def worker(prefect_server, tmp_path, monkeypatch):
     try:
         yield home, out
     finally:
-        proc.terminate()  # Prefect's worker: a first SIGTERM asks it to stop gracefully
+        proc.terminate()  # Prefect's worker: a first SIGTERM asks it to stop gracefully (half a second)
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:  # its graceful stop hung once on two loaded cores, after
-            proc.kill()  # the test had passed: the worker is Prefect's, and only cleaned up here
+            proc.wait(15)
+        except subprocess.TimeoutExpired:  # its graceful stop hangs at times on two loaded cores, after
+            proc.kill()  # the test has passed: the worker is Prefect's, and only cleaned up here
             proc.wait()
 
 
